@@ -1,0 +1,145 @@
+"""Write a checkpoint folder: config.json, seeded random weights, tokenizer.
+
+Initialisation keeps activations well conditioned through depth: projections
+are N(0, 1/fan_in) so they preserve scale, every residual write (o_proj,
+down_proj, experts' w2) is further scaled by 1/sqrt(2 * layers), norms and
+biases are randomised around their neutral value (so a test catches a weight
+that was loaded into the wrong place), and the KDA decay parameters follow
+Mamba-style ranges (A in [1, 16], dt in [1e-3, 1e-1]).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+
+import torch
+from safetensors.torch import save_file
+
+from sglang_hybrid.checkpoints.presets import WITH_WEIGHTS, preset_config
+from sglang_hybrid.checkpoints.tokenizer import train_tokenizer
+from sglang_hybrid.configs.hybrid_linear_sparse import HybridLinearSparseConfig
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_SHARD_BYTES = 2 << 30
+
+
+def make_checkpoint(preset: str, out_dir: str, seed: int = 0, with_weights: bool | None = None) -> str:
+    """Write the preset's checkpoint into out_dir and return out_dir."""
+    fields = preset_config(preset)
+    tokenizer = train_tokenizer(fields.pop("tokenizer_vocab_size"))
+    fields.setdefault("vocab_size", len(tokenizer))
+    fields.update(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, bos_token_id=None)
+    config = HybridLinearSparseConfig(**fields)  # validates before anything is written
+
+    os.makedirs(out_dir, exist_ok=True)
+    tokenizer.save_pretrained(out_dir)
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(fields, f, indent=2)
+    if with_weights if with_weights is not None else preset in WITH_WEIGHTS:
+        dtype = _DTYPES[fields["torch_dtype"]]
+        _save_sharded({k: v.to(dtype) for k, v in random_weights(config, seed).items()}, out_dir)
+    return out_dir
+
+
+def random_weights(config: HybridLinearSparseConfig, seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    c = config
+    D, L = c.hidden_size, c.num_hidden_layers
+    out_scale = 1.0 / math.sqrt(2 * L)
+    w: dict[str, torch.Tensor] = {}
+
+    def normal(shape, std):
+        return torch.randn(shape, generator=g) * std
+
+    def linear(name, n_out, n_in, scale=1.0):
+        w[name] = normal((n_out, n_in), scale / math.sqrt(n_in))
+
+    def norm(name, dim):
+        w[name] = 1.0 + normal((dim,), 0.1)
+
+    def mlp(p, inter, names=("gate_proj", "up_proj", "down_proj")):
+        linear(p + names[0] + ".weight", inter, D)
+        linear(p + names[1] + ".weight", inter, D)
+        linear(p + names[2] + ".weight", D, inter, out_scale)
+
+    def uniform(shape, lo, hi):
+        return lo + (hi - lo) * torch.rand(shape, generator=g)
+
+    w["model.embed_tokens.weight"] = normal((c.vocab_size, D), 1.0)
+    lac = c.linear_attn_config
+    H, K = lac["num_heads"], lac["head_dim"]
+    for i in range(L):
+        p = f"model.layers.{i}."
+        norm(p + "input_layernorm.weight", D)
+        norm(p + "post_attention_layernorm.weight", D)
+        if c.attn_res_block_size is not None:
+            for s in ("self_attention", "mlp"):
+                norm(p + s + "_res_norm.weight", D)
+                linear(p + s + "_res_proj.weight", 1, D, 2.0)
+        a = p + "self_attn."
+        if c.is_kda_layer(i):
+            for n in ("q", "k", "v"):
+                linear(a + n + "_proj.weight", H * K, D)
+                w[a + n + "_conv1d.weight"] = normal((H * K, 1, lac["short_conv_kernel_size"]), 0.5)
+            linear(a + "f_a_proj.weight", K, D)
+            linear(a + "f_b_proj.weight", H * K, K, 0.5)
+            linear(a + "b_proj.weight", H, D)
+            linear(a + "g_a_proj.weight", K, D)
+            linear(a + "g_b_proj.weight", H * K, K)
+            w[a + "A_log"] = uniform((1, 1, H, 1), math.log(1.0), math.log(16.0))
+            dt = torch.exp(uniform((H * K,), math.log(1e-3), math.log(1e-1)))
+            w[a + "dt_bias"] = dt + torch.log(-torch.expm1(-dt))  # softplus^-1(dt)
+            norm(a + "o_norm.weight", K)
+            linear(a + "o_proj.weight", D, H * K, out_scale)
+        else:
+            Hq = c.num_attention_heads
+            linear(a + "q_a_proj.weight", c.q_lora_rank, D)
+            norm(a + "q_a_layernorm.weight", c.q_lora_rank)
+            linear(a + "q_b_proj.weight", Hq * (c.qk_nope_head_dim + c.qk_rope_head_dim), c.q_lora_rank)
+            linear(a + "kv_a_proj_with_mqa.weight", c.kv_lora_rank + c.qk_rope_head_dim, D)
+            norm(a + "kv_a_layernorm.weight", c.kv_lora_rank)
+            linear(a + "kv_b_proj.weight", Hq * (c.qk_nope_head_dim + c.v_head_dim), c.kv_lora_rank)
+            linear(a + "o_proj.weight", D, Hq * c.v_head_dim, out_scale)
+            linear(a + "indexer.wq_b.weight", c.index_n_heads * c.index_head_dim, c.q_lora_rank)
+            linear(a + "indexer.wk.weight", c.index_head_dim, D)
+            norm(a + "indexer.k_norm.weight", c.index_head_dim)
+            w[a + "indexer.k_norm.bias"] = normal((c.index_head_dim,), 0.1)
+            linear(a + "indexer.weights_proj.weight", c.index_n_heads, D)
+        if c.is_moe_layer(i):
+            m = p + "block_sparse_moe."
+            linear(m + "gate.weight", c.num_experts, D)
+            w[m + "gate.e_score_correction_bias"] = normal((c.num_experts,), 0.1)
+            for e in range(c.num_experts):
+                mlp(f"{m}experts.{e}.", c.moe_intermediate_size, ("w1", "w3", "w2"))
+            if c.num_shared_experts:
+                mlp(m + "shared_experts.", c.moe_intermediate_size * c.num_shared_experts)
+        else:
+            mlp(p + "mlp.", c.intermediate_size)
+    norm("model.norm.weight", D)
+    if c.attn_res_block_size is not None:
+        norm("model.output_attn_res_norm.weight", D)
+        linear("model.output_attn_res_proj.weight", 1, D, 2.0)
+    if not c.tie_word_embeddings:
+        linear("lm_head.weight", c.vocab_size, D)
+    return w
+
+
+def _save_sharded(weights: dict[str, torch.Tensor], out_dir: str) -> None:
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name in sorted(weights):
+        t = weights[name].contiguous()
+        if size and size + t.nbytes > _SHARD_BYTES:
+            shards.append({})
+            size = 0
+        shards[-1][name] = t
+        size += t.nbytes
+    index = {}
+    for n, shard in enumerate(shards):
+        fname = f"model-{n + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, os.path.join(out_dir, fname), metadata={"format": "pt"})
+        index.update({name: fname for name in shard})
+    with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {"total_size": sum(t.nbytes for t in weights.values())}, "weight_map": index}, f, indent=1)

@@ -1,0 +1,125 @@
+"""Sparse MLA mixer: NoPE multi-head latent attention with a DSA lightning indexer.
+
+MLA projections use DeepSeek names and TP sharding by head (q_b_proj, kv_b_proj
+column-parallel, o_proj row-parallel); attention runs in the absorbed form, so the
+cache holds one latent row [c | k_pe] per token. The indexer (wq_b from the q
+latent, wk + LayerNorm from the hidden state, weights_proj) is replicated on every
+rank, so all ranks select the same Top-K. Its optional RoPE covers the first
+index_rope_head_dim dims. The Hadamard rotation of the reference is skipped on
+this BF16 path: it is orthogonal and applied to both q and k, so it leaves every
+score unchanged (it matters only once index q/k are quantized).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from sglang.srt.layers.layernorm import RMSNorm
+from sglang.srt.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
+from sglang.srt.layers.radix_attention import RadixAttention
+from sglang.srt.model_executor.forward_batch_info import ForwardBatch
+from sglang.srt.model_executor.forward_context import get_attn_backend
+from sglang.srt.runtime_context import get_parallel
+
+from sglang_hybrid.configs.hybrid_linear_sparse import HybridLinearSparseConfig
+
+
+class IndexerRope(nn.Module):
+    """Rotate-half RoPE on the leading `dim` channels (reference.ops.rope_neox)."""
+
+    def __init__(self, dim: int, theta: float, max_positions: int):
+        super().__init__()
+        self.dim = dim
+        inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+        angles = torch.arange(max_positions, dtype=torch.float64)[:, None] * inv_freq[None, :]
+        self.register_buffer("cos", angles.cos().float(), persistent=False)
+        self.register_buffer("sin", angles.sin().float(), persistent=False)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        if self.dim == 0:
+            return x
+        half = self.dim // 2
+        shape = (x.shape[0],) + (1,) * (x.dim() - 2) + (half,)
+        cos = self.cos[positions].reshape(shape).to(x.dtype)
+        sin = self.sin[positions].reshape(shape).to(x.dtype)
+        x1, x2, rest = x[..., :half], x[..., half : self.dim], x[..., self.dim :]
+        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest], dim=-1)
+
+
+class Indexer(nn.Module):
+    def __init__(self, config: HybridLinearSparseConfig, quant_config=None, prefix: str = ""):
+        super().__init__()
+        self.n_heads, self.head_dim = config.index_n_heads, config.index_head_dim
+        D = config.hidden_size
+        self.wq_b = ReplicatedLinear(config.q_lora_rank, self.n_heads * self.head_dim, bias=False,
+                                     quant_config=quant_config, prefix=f"{prefix}.wq_b")
+        self.wk = ReplicatedLinear(D, self.head_dim, bias=False, quant_config=quant_config, prefix=f"{prefix}.wk")
+        self.k_norm = nn.LayerNorm(self.head_dim, eps=1e-6, dtype=torch.float32)
+        self.weights_proj = ReplicatedLinear(D, self.n_heads, bias=False, quant_config=None, prefix=f"{prefix}.weights_proj")
+        self.rope = IndexerRope(config.index_rope_head_dim, config.rope_theta, config.max_position_embeddings)
+        self.weight_scale = (self.n_heads * self.head_dim) ** -0.5
+
+    def forward(self, x, q_latent, positions):
+        """(index q [T, Hi, D], head weights [T, Hi] with all scales folded in, index k [T, D])."""
+        q = self.rope(self.wq_b(q_latent)[0].view(-1, self.n_heads, self.head_dim), positions)
+        k = self.k_norm(self.wk(x)[0].float()).to(x.dtype)
+        k = self.rope(k, positions)
+        weights = self.weights_proj(x)[0].float() * self.weight_scale
+        return q, weights, k
+
+
+class SparseMLAMixer(nn.Module):
+    def __init__(self, config: HybridLinearSparseConfig, layer_id: int, quant_config=None, prefix: str = ""):
+        super().__init__()
+        c = config
+        D = c.hidden_size
+        self.num_local_heads = c.num_attention_heads // get_parallel().attn_tp_size
+        self.nope, self.rope_dim, self.v_dim, self.rank = c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim, c.kv_lora_rank
+        self.q_a_proj = ReplicatedLinear(D, c.q_lora_rank, bias=False, quant_config=quant_config, prefix=f"{prefix}.q_a_proj")
+        self.q_a_layernorm = RMSNorm(c.q_lora_rank, eps=c.rms_norm_eps)
+        self.q_b_proj = ColumnParallelLinear(c.q_lora_rank, c.num_attention_heads * (self.nope + self.rope_dim),
+                                             bias=False, quant_config=quant_config, prefix=f"{prefix}.q_b_proj")
+        self.kv_a_proj_with_mqa = ReplicatedLinear(D, self.rank + self.rope_dim, bias=False,
+                                                   quant_config=quant_config, prefix=f"{prefix}.kv_a_proj_with_mqa")
+        self.kv_a_layernorm = RMSNorm(self.rank, eps=c.rms_norm_eps)
+        self.kv_b_proj = ColumnParallelLinear(self.rank, c.num_attention_heads * (self.nope + self.v_dim), bias=False,
+                                              quant_config=quant_config, prefix=f"{prefix}.kv_b_proj")
+        self.o_proj = RowParallelLinear(c.num_attention_heads * self.v_dim, D, bias=False,
+                                        quant_config=quant_config, prefix=f"{prefix}.o_proj")
+        self.indexer = Indexer(c, quant_config, prefix=f"{prefix}.indexer")
+        self.attn = RadixAttention(
+            num_heads=self.num_local_heads,
+            head_dim=self.rank + self.rope_dim,
+            scaling=(self.nope + self.rope_dim) ** -0.5,
+            num_kv_heads=1,
+            layer_id=layer_id,
+            v_head_dim=self.rank,
+            prefix=f"{prefix}.attn",
+        )
+        self.w_kc: torch.Tensor | None = None  # [H, nope, rank], from kv_b_proj after loading
+        self.w_vc: torch.Tensor | None = None  # [H, rank, v]
+
+    def absorb_kv_b(self) -> None:
+        """Split kv_b_proj into the per-head key/value up-projections used in absorbed form."""
+        w = self.kv_b_proj.weight.unflatten(0, (-1, self.nope + self.v_dim))  # [H, nope + v, rank]
+        w_k, w_v = w.split([self.nope, self.v_dim], dim=1)
+        self.w_kc = w_k.contiguous()
+        self.w_vc = w_v.transpose(1, 2).contiguous()
+
+    def forward(self, hidden_states: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch) -> torch.Tensor:
+        T, H = hidden_states.shape[0], self.num_local_heads
+        q_latent = self.q_a_layernorm(self.q_a_proj(hidden_states)[0])
+        q = self.q_b_proj(q_latent)[0].view(T, H, self.nope + self.rope_dim)
+        q_nope, q_pe = q.split([self.nope, self.rope_dim], dim=-1)
+        q_absorbed = torch.cat([torch.einsum("thn,hnr->thr", q_nope, self.w_kc), q_pe], dim=-1)
+        kv = self.kv_a_proj_with_mqa(hidden_states)[0]
+        latent = self.kv_a_layernorm(kv[:, : self.rank].contiguous())
+        k = torch.cat([latent, kv[:, self.rank :]], dim=-1).unsqueeze(1)
+        index_q, index_weights, index_k = self.indexer(hidden_states, q_latent, positions)
+        out = get_attn_backend().forward(
+            q_absorbed, k, latent.unsqueeze(1), self.attn, forward_batch, True,
+            index_q=index_q, index_k=index_k, index_weights=index_weights,
+        )
+        out = torch.einsum("thr,hrv->thv", out.view(T, H, self.rank), self.w_vc)
+        return self.o_proj(out.reshape(T, H * self.v_dim))[0]

@@ -1,0 +1,164 @@
+"""The one place that registers sglang-hybrid with SGLang 0.5.17.
+
+SGLang calls `register()` in every process (entry-point group
+`sglang.srt.plugins`). It registers the config class, the model class, the
+attention backend name and the linear-attention model spec, and hooks the few
+places SGLang hard-codes per architecture:
+
+- ModelConfig._derive_model_shapes: treat the architecture as MLA (latent KV).
+- ServerArgs._handle_model_specific_adjustments: default the attention backend
+  to ours and keep the prefill CUDA graph off (the sparse layer is eager).
+- KVCacheConfigurator._build_hybrid_linear_kv_pool: MLA pool + index-K cache.
+- DefaultPoolConfigurator._compute_cell_size: count index-K bytes per token.
+- utils.common.support_triton: no Triton bookkeeping kernels without a GPU.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from sglang_hybrid.configs.hybrid_linear_sparse import ARCHITECTURE, MODEL_TYPE, HybridLinearSparseConfig
+
+logger = logging.getLogger(__name__)
+
+ATTENTION_BACKEND = "hybrid_linear_sparse"
+# Backends SGLang picks by itself on CPU; replaced by ours rather than refused.
+_CPU_DEFAULT_BACKENDS = ("intel_amx", "torch_native")
+
+
+def _is_ours(hf_config) -> bool:
+    return ARCHITECTURE in (getattr(hf_config, "architectures", None) or [])
+
+
+def register() -> None:
+    from transformers import AutoConfig
+
+    from sglang.srt.configs.linear_attn_model_registry import LinearAttnModelSpec, register_linear_attn_model
+    from sglang.srt.layers.attention.attention_registry import register_attention_backend
+    from sglang.srt.models.registry import ModelRegistry
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+    from sglang.srt.server_args import add_attention_backend_choices
+
+    AutoConfig.register(MODEL_TYPE, HybridLinearSparseConfig, exist_ok=True)
+    ModelRegistry.register("sglang_hybrid.models", overwrite=True, strict=True)
+    register_linear_attn_model(
+        LinearAttnModelSpec(
+            config_class=HybridLinearSparseConfig,
+            backend_class_name="sglang_hybrid.layers.kda_backend.create_kda_backend",
+            arch_names=[ARCHITECTURE],
+            uses_mamba_radix_cache=True,
+            support_mamba_cache=True,
+        )
+    )
+    add_attention_backend_choices([ATTENTION_BACKEND])
+    register_attention_backend(ATTENTION_BACKEND)(_create_attention_backend)
+
+    hooks = {
+        "sglang.srt.configs.model_config.ModelConfig._derive_model_shapes": (_derive_mla_shapes, HookType.AFTER),
+        "sglang.srt.server_args.ServerArgs._handle_model_specific_adjustments": (_server_defaults, HookType.AFTER),
+        "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator._build_hybrid_linear_kv_pool": (
+            _build_kv_pool, HookType.AROUND),
+        "sglang.srt.model_executor.pool_configurator.DefaultPoolConfigurator._compute_cell_size": (
+            _cell_size_with_index_k, HookType.AROUND),
+        "sglang.srt.utils.common.support_triton": (_support_triton, HookType.AROUND),
+    }
+    for target, (fn, kind) in hooks.items():
+        HookRegistry.register(target, fn, kind)
+
+
+def _create_attention_backend(model_runner):
+    from sglang_hybrid.layers.sparse_mla_backend import SparseMLAAttnBackend
+
+    return SparseMLAAttnBackend(model_runner)
+
+
+def _derive_mla_shapes(result, model_config, *args, **kwargs):
+    """Latent-KV MLA for the sparse layers, as SGLang does for Kimi-Linear."""
+    from sglang.srt.configs.model_config import AttentionArch
+
+    tc = model_config.hf_text_config
+    if not _is_ours(model_config.hf_config):
+        return
+    model_config.attention_arch = AttentionArch.MLA
+    model_config.head_dim = tc.qk_nope_head_dim + tc.qk_rope_head_dim
+    model_config.kv_lora_rank = tc.kv_lora_rank
+    model_config.qk_nope_head_dim = tc.qk_nope_head_dim
+    model_config.qk_rope_head_dim = tc.qk_rope_head_dim
+    model_config.v_head_dim = tc.v_head_dim
+    model_config.index_head_dim = tc.index_head_dim
+    model_config.scaling = model_config.head_dim**-0.5
+
+
+def _server_defaults(result, server_args, *args, **kwargs):
+    from sglang.srt.model_executor.cuda_graph_config import Backend, Phase
+
+    if not _is_ours(server_args.get_model_config().hf_config):
+        return
+    for field in ("attention_backend", "prefill_attention_backend", "decode_attention_backend"):
+        value = getattr(server_args, field)
+        if value in (None, ATTENTION_BACKEND):
+            continue
+        if field == "attention_backend" and server_args.device == "cpu" and value in _CPU_DEFAULT_BACKENDS:
+            continue
+        raise ValueError(f"{ARCHITECTURE} runs only on --{field.replace('_', '-')} {ATTENTION_BACKEND}; got {value!r}")
+    server_args.attention_backend = ATTENTION_BACKEND
+    # The sparse layer's indexer is eager Python for now; decode graphs are captured.
+    if (Phase.PREFILL, "backend") not in server_args._cuda_graph_config_locked:
+        server_args.cuda_graph_config.prefill.backend = Backend.DISABLED
+
+
+def _build_kv_pool(original, configurator, *, max_total_num_tokens, req_to_token_pool, mha_pool_class):
+    if not _is_ours(configurator.model_config.hf_config):
+        return original(configurator, max_total_num_tokens=max_total_num_tokens,
+                        req_to_token_pool=req_to_token_pool, mha_pool_class=mha_pool_class)
+    from sglang.srt.mem_cache.memory_pool import HybridLinearKVPool
+    from sglang.srt.runtime_context import get_exec, get_spec
+
+    from sglang_hybrid.mem_cache.sparse_mla_pool import SparseMLATokenToKVPool
+
+    mc, info = configurator.model_config, configurator.layer_info
+    layer_ids = [i for i in mc.hf_config.full_attention_layer_ids if info.start_layer <= i < info.end_layer]
+    memory_saver = get_exec().features.enable_memory_saver
+    full_pool = SparseMLATokenToKVPool(
+        size=max_total_num_tokens,
+        page_size=configurator.pool_page_size,
+        dtype=configurator.kv_cache_dtype,
+        kv_lora_rank=mc.kv_lora_rank,
+        qk_rope_head_dim=mc.qk_rope_head_dim,
+        layer_num=len(layer_ids),
+        device=configurator.device,
+        enable_memory_saver=memory_saver,
+        index_head_dim=mc.hf_config.index_head_dim,
+        index_dtype=configurator.model_dtype,
+    )
+    return HybridLinearKVPool(
+        size=max_total_num_tokens,
+        dtype=configurator.kv_cache_dtype,
+        page_size=configurator.pool_page_size,
+        head_num=1,
+        head_dim=mc.kv_lora_rank + mc.qk_rope_head_dim,
+        full_attention_layer_ids=layer_ids,
+        device=configurator.device,
+        mamba_pool=req_to_token_pool.mamba_pool,
+        enable_memory_saver=memory_saver,
+        enable_kv_cache_copy=get_spec().speculative_algorithm is not None,
+        use_mla=True,
+        kv_lora_rank=mc.kv_lora_rank,
+        qk_rope_head_dim=mc.qk_rope_head_dim,
+        start_layer=info.start_layer,
+        full_kv_pool=full_pool,
+    )
+
+
+def _cell_size_with_index_k(original, pool_configurator, kvc, num_layers):
+    cell = original(pool_configurator, kvc, num_layers)
+    hf = kvc.model_config.hf_config
+    if _is_ours(hf):
+        cell += num_layers * hf.index_head_dim * kvc.model_dtype.itemsize
+    return cell
+
+
+def _support_triton(original, backend: str) -> bool:
+    import torch
+
+    return torch.cuda.is_available() and original(backend)

@@ -1,0 +1,250 @@
+"""The golden model: the whole hybrid family in plain PyTorch, top to bottom.
+
+It reads the same safetensors tensors (HF / Kimi / DeepSeek names) that the SGLang
+model loads and computes in fp32 (or fp64). Per-sequence caches are explicit, so
+prefill followed by decode gives the same logits as one long prefill: KDA layers
+carry (conv window, recurrent state), sparse MLA layers carry (latent KV, rope key,
+index key). Every served output in the tests is compared to this model.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import torch
+from safetensors.torch import load_file
+
+from sglang_hybrid.configs.hybrid_linear_sparse import HybridLinearSparseConfig
+from sglang_hybrid.reference import ops
+
+
+@dataclass
+class KDACache:
+    conv: torch.Tensor  # [W-1, 3P] previous pre-conv q|k|v inputs
+    state: torch.Tensor  # [H, K, V]
+
+
+@dataclass
+class MLACache:
+    latent: list[torch.Tensor] = field(default_factory=list)  # [T, kv_lora_rank] chunks
+    rope_key: list[torch.Tensor] = field(default_factory=list)  # [T, qk_rope_head_dim]
+    index_key: list[torch.Tensor] = field(default_factory=list)  # [T, index_head_dim]
+
+
+@dataclass
+class SequenceCache:
+    layers: list  # KDACache | MLACache per layer
+    length: int = 0
+
+
+class GoldenModel:
+    def __init__(self, config: HybridLinearSparseConfig, weights: dict[str, torch.Tensor], dtype=torch.float32):
+        self.config = config
+        self.dtype = dtype
+        self.w = {name: t.to(dtype) for name, t in weights.items()}
+        lac = config.linear_attn_config
+        self.kda_heads, self.kda_dim = lac["num_heads"], lac["head_dim"]
+        self.conv_width = lac["short_conv_kernel_size"]
+        self.hadamard = (
+            ops.hadamard_matrix(config.index_head_dim, dtype) if config.index_use_hadamard else None
+        )
+
+    # ------------------------------------------------------------------ public
+    def new_cache(self) -> SequenceCache:
+        c = self.config
+        proj = self.kda_heads * self.kda_dim
+        layers = []
+        for i in range(c.num_hidden_layers):
+            if c.is_kda_layer(i):
+                layers.append(
+                    KDACache(
+                        conv=torch.zeros(self.conv_width - 1, 3 * proj, dtype=self.dtype),
+                        state=torch.zeros(self.kda_heads, self.kda_dim, self.kda_dim, dtype=self.dtype),
+                    )
+                )
+            else:
+                layers.append(MLACache())
+        return SequenceCache(layers=layers)
+
+    @torch.no_grad()
+    def forward(self, input_ids: list[int], cache: SequenceCache | None = None) -> torch.Tensor:
+        """Logits [T, vocab] for the new tokens, continuing the sequence in `cache`."""
+        cache = cache if cache is not None else self.new_cache()
+        ids = torch.tensor(input_ids, dtype=torch.long)
+        positions = torch.arange(cache.length, cache.length + len(input_ids))
+        x = self.w["model.embed_tokens.weight"][ids]
+        c = self.config
+        if c.attn_res_block_size is None:
+            h = self._residual_stream(x, positions, cache)
+        else:
+            h = self._attn_res_stream(x, positions, cache)
+        cache.length += len(input_ids)
+        return h @ self._lm_head().T
+
+    def logits(self, input_ids: list[int]) -> torch.Tensor:
+        """Logits of one full prefill, [T, vocab]."""
+        return self.forward(input_ids, self.new_cache())
+
+    @torch.no_grad()
+    def generate(self, input_ids: list[int], max_new_tokens: int, stop_token_ids=()) -> list[int]:
+        """Greedy continuation (no EOS stop unless stop_token_ids are given)."""
+        cache = self.new_cache()
+        logits = self.forward(list(input_ids), cache)
+        out: list[int] = []
+        for _ in range(max_new_tokens):
+            nxt = int(torch.argmax(logits[-1]))
+            out.append(nxt)
+            if nxt in stop_token_ids:
+                break
+            logits = self.forward([nxt], cache)
+        return out
+
+    # ---------------------------------------------------------- residual streams
+    def _residual_stream(self, x, positions, cache):
+        c, w = self.config, self.w
+        h = x
+        for i in range(c.num_hidden_layers):
+            p = f"model.layers.{i}."
+            h = h + self._mixer(i, ops.rms_norm(h, w[p + "input_layernorm.weight"], c.rms_norm_eps), positions, cache)
+            h = h + self._ffn(i, ops.rms_norm(h, w[p + "post_attention_layernorm.weight"], c.rms_norm_eps))
+        return ops.rms_norm(h, w["model.norm.weight"], c.rms_norm_eps)
+
+    def _attn_res_stream(self, x, positions, cache):
+        """Block attention residuals.
+
+        Blocks of `attn_res_block_size` layers. The embedding is the first block;
+        at the first layer of every block the running partial sum is banked as a
+        completed block and the partial restarts from the attention output. Each
+        sublayer input is its norm over a softmax-weighted mix of the banked
+        blocks and the current partial sum, with per-sublayer pseudo-query and key norm.
+        """
+        c, w, eps = self.config, self.w, self.config.rms_norm_eps
+
+        def mix(rows, name):
+            return ops.attn_res_mix(rows, w[name + "_res_proj.weight"], w[name + "_res_norm.weight"], eps)
+
+        bank: list[torch.Tensor] = []
+        partial = x
+        for i in range(c.num_hidden_layers):
+            p = f"model.layers.{i}."
+            attn_in = mix(bank + [partial], p + "self_attention")
+            if i % c.attn_res_block_size == 0:
+                bank.append(partial)
+                partial = None
+            a = self._mixer(i, ops.rms_norm(attn_in, w[p + "input_layernorm.weight"], eps), positions, cache)
+            partial = a if partial is None else partial + a
+            ffn_in = mix(bank + [partial], p + "mlp")
+            partial = partial + self._ffn(i, ops.rms_norm(ffn_in, w[p + "post_attention_layernorm.weight"], eps))
+        return ops.rms_norm(mix(bank + [partial], "model.output_attn"), w["model.norm.weight"], eps)
+
+    def _lm_head(self):
+        if self.config.tie_word_embeddings:
+            return self.w["model.embed_tokens.weight"]
+        return self.w["lm_head.weight"]
+
+    # ------------------------------------------------------------------ mixers
+    def _mixer(self, i, x, positions, cache):
+        if self.config.is_kda_layer(i):
+            return self._kda(i, x, cache.layers[i])
+        return self._sparse_mla(i, x, positions, cache.layers[i])
+
+    def _kda(self, i, x, lc: KDACache):
+        w, H, K = self.w, self.kda_heads, self.kda_dim
+        p = f"model.layers.{i}.self_attn."
+        T = x.shape[0]
+        pre = torch.cat([x @ w[p + n + "_proj.weight"].T for n in ("q", "k", "v")], dim=-1)
+        conv_w = torch.cat([w[p + n + "_conv1d.weight"].reshape(H * K, -1) for n in ("q", "k", "v")], dim=0)
+        qkv, lc.conv = ops.short_causal_conv(pre, lc.conv, conv_w)
+        q, k, v = qkv.reshape(T, 3, H, K).unbind(1)
+        q = ops.l2norm(q) * K**-0.5
+        k = ops.l2norm(k)
+        f = (x @ w[p + "f_a_proj.weight"].T) @ w[p + "f_b_proj.weight"].T
+        g = ops.kda_gate(f.reshape(T, H, K), w[p + "A_log"], w[p + "dt_bias"])
+        beta = (x @ w[p + "b_proj.weight"].T).sigmoid()
+        o, lc.state = ops.kda_recurrence(q, k, v, g, beta, lc.state)
+        gate = (x @ w[p + "g_a_proj.weight"].T) @ w[p + "g_b_proj.weight"].T
+        o = ops.rms_norm(o, w[p + "o_norm.weight"], self.config.rms_norm_eps) * gate.reshape(T, H, K).sigmoid()
+        return o.reshape(T, H * K) @ w[p + "o_proj.weight"].T
+
+    def _sparse_mla(self, i, x, positions, lc: MLACache):
+        c, w = self.config, self.w
+        p = f"model.layers.{i}.self_attn."
+        T, H = x.shape[0], c.num_attention_heads
+        nope, rope, vdim, rank = c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim, c.kv_lora_rank
+
+        q_latent = ops.rms_norm(x @ w[p + "q_a_proj.weight"].T, w[p + "q_a_layernorm.weight"], c.rms_norm_eps)
+        q = (q_latent @ w[p + "q_b_proj.weight"].T).reshape(T, H, nope + rope)
+        kv = x @ w[p + "kv_a_proj_with_mqa.weight"].T
+        lc.latent.append(ops.rms_norm(kv[:, :rank], w[p + "kv_a_layernorm.weight"], c.rms_norm_eps))
+        lc.rope_key.append(kv[:, rank:])
+        lc.index_key.append(self._index_key(p, x, positions))
+
+        latent = torch.cat(lc.latent)  # [S, rank]
+        S = latent.shape[0]
+        k_nope, v = (latent @ w[p + "kv_b_proj.weight"].T).reshape(S, H, nope + vdim).split([nope, vdim], -1)
+        k_rope = torch.cat(lc.rope_key)[:, None, :].expand(S, H, rope)
+        k = torch.cat([k_nope, k_rope], dim=-1)
+
+        selected = self._index_select(p, x, q_latent, positions, torch.cat(lc.index_key))
+        o = ops.sparse_attention(q, k, v, selected, scale=(nope + rope) ** -0.5)
+        return o.reshape(T, H * vdim) @ w[p + "o_proj.weight"].T
+
+    def _index_key(self, p, x, positions):
+        c, w = self.config, self.w
+        k = ops.layer_norm(
+            x @ w[p + "indexer.wk.weight"].T, w[p + "indexer.k_norm.weight"], w[p + "indexer.k_norm.bias"], 1e-6
+        )
+        return self._index_rotate(k, positions)
+
+    def _index_rotate(self, t, positions):
+        """RoPE on the first index_rope_head_dim dims, then the optional Hadamard rotation."""
+        c = self.config
+        r = c.index_rope_head_dim
+        t = torch.cat([ops.rope_neox(t[..., :r], positions, c.rope_theta), t[..., r:]], dim=-1)
+        return t @ self.hadamard if self.hadamard is not None else t
+
+    def _index_select(self, p, x, q_latent, positions, index_keys):
+        c, w = self.config, self.w
+        T, Hi, D = x.shape[0], c.index_n_heads, c.index_head_dim
+        q = self._index_rotate((q_latent @ w[p + "indexer.wq_b.weight"].T).reshape(T, Hi, D), positions)
+        weights = (x @ w[p + "indexer.weights_proj.weight"].T) * (Hi**-0.5 * D**-0.5)
+        scores = ops.indexer_scores(q, weights, index_keys, positions)
+        return ops.topk_positions(scores, c.index_topk)
+
+    # --------------------------------------------------------------------- FFN
+    def _ffn(self, i, x):
+        c, w = self.config, self.w
+        if not c.is_moe_layer(i):
+            p = f"model.layers.{i}.mlp."
+            return ops.silu_mlp(x, w[p + "gate_proj.weight"], w[p + "up_proj.weight"], w[p + "down_proj.weight"])
+        p = f"model.layers.{i}.block_sparse_moe."
+        weights, ids = ops.moe_route(
+            x @ w[p + "gate.weight"].T,
+            w[p + "gate.e_score_correction_bias"],
+            c.num_experts_per_token,
+            c.num_expert_group,
+            c.topk_group,
+            c.moe_renormalize,
+            c.routed_scaling_factor,
+        )
+        out = torch.zeros_like(x)
+        for e in ids.unique().tolist():
+            rows, slot = (ids == e).nonzero(as_tuple=True)
+            q = f"{p}experts.{e}."
+            y = ops.silu_mlp(x[rows], w[q + "w1.weight"], w[q + "w3.weight"], w[q + "w2.weight"])
+            out.index_add_(0, rows, y * weights[rows, slot, None])
+        if c.num_shared_experts:
+            q = p + "shared_experts."
+            out = out + ops.silu_mlp(x, w[q + "gate_proj.weight"], w[q + "up_proj.weight"], w[q + "down_proj.weight"])
+        return out
+
+
+def load(checkpoint_dir: str, dtype: torch.dtype = torch.float32) -> GoldenModel:
+    """Load the golden model from a checkpoint folder (config.json + *.safetensors)."""
+    config = HybridLinearSparseConfig.from_pretrained(checkpoint_dir)
+    weights: dict[str, torch.Tensor] = {}
+    for name in sorted(os.listdir(checkpoint_dir)):
+        if name.endswith(".safetensors"):
+            weights.update(load_file(os.path.join(checkpoint_dir, name)))
+    return GoldenModel(config, weights, dtype)
