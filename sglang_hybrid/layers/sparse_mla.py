@@ -15,7 +15,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from sglang.srt.layers.layernorm import RMSNorm
 from sglang.srt.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from sglang.srt.layers.radix_attention import RadixAttention
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch
@@ -23,6 +22,7 @@ from sglang.srt.model_executor.forward_context import get_attn_backend
 from sglang.srt.runtime_context import get_parallel
 
 from sglang_hybrid.configs.hybrid_linear_sparse import HybridLinearSparseConfig
+from sglang_hybrid.layers.rms_norm import RMSNorm
 
 
 class IndexerRope(nn.Module):

@@ -18,7 +18,6 @@ from torch import nn
 
 from sglang.srt.distributed import get_pp_group, tensor_model_parallel_all_reduce
 from sglang.srt.layers.attn_residual import aggregate_stream, aggregate_stream_torch
-from sglang.srt.layers.layernorm import RMSNorm
 from sglang.srt.layers.linear import ReplicatedLinear
 from sglang.srt.layers.logits_processor import LogitsProcessor
 from sglang.srt.layers.moe.ep_moe.layer import get_moe_impl_class
@@ -32,6 +31,7 @@ from sglang.srt.runtime_context import get_parallel
 
 from sglang_hybrid.configs.hybrid_linear_sparse import HybridLinearSparseConfig
 from sglang_hybrid.layers.kda import KDAMixer
+from sglang_hybrid.layers.rms_norm import RMSNorm
 from sglang_hybrid.layers.sparse_mla import SparseMLAMixer
 
 
@@ -72,10 +72,12 @@ class HybridMoE(nn.Module):
         self.tp_size = get_parallel().tp_size
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Shared experts first: SGLang's Triton expert kernel overwrites its input in place.
+        shared = self.shared_experts(x) if self.shared_experts is not None else None
         router_logits, _ = self.gate(x)
         out = self.experts(x, self.topk(x, router_logits)) * self.routed_scaling_factor
-        if self.shared_experts is not None:
-            out = out + self.shared_experts(x)
+        if shared is not None:
+            out = out + shared
         if self.tp_size > 1:
             out = tensor_model_parallel_all_reduce(out)
         return out

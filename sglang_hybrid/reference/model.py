@@ -39,15 +39,17 @@ class SequenceCache:
 
 
 class GoldenModel:
-    def __init__(self, config: HybridLinearSparseConfig, weights: dict[str, torch.Tensor], dtype=torch.float32):
+    def __init__(self, config: HybridLinearSparseConfig, weights: dict[str, torch.Tensor], dtype=torch.float32,
+                 device="cpu"):
         self.config = config
         self.dtype = dtype
-        self.w = {name: t.to(dtype) for name, t in weights.items()}
+        self.device = torch.device(device)
+        self.w = {name: t.to(self.device, dtype) for name, t in weights.items()}
         lac = config.linear_attn_config
         self.kda_heads, self.kda_dim = lac["num_heads"], lac["head_dim"]
         self.conv_width = lac["short_conv_kernel_size"]
         self.hadamard = (
-            ops.hadamard_matrix(config.index_head_dim, dtype) if config.index_use_hadamard else None
+            ops.hadamard_matrix(config.index_head_dim, dtype).to(self.device) if config.index_use_hadamard else None
         )
 
     # ------------------------------------------------------------------ public
@@ -59,8 +61,8 @@ class GoldenModel:
             if c.is_kda_layer(i):
                 layers.append(
                     KDACache(
-                        conv=torch.zeros(self.conv_width - 1, 3 * proj, dtype=self.dtype),
-                        state=torch.zeros(self.kda_heads, self.kda_dim, self.kda_dim, dtype=self.dtype),
+                        conv=torch.zeros(self.conv_width - 1, 3 * proj, dtype=self.dtype, device=self.device),
+                        state=torch.zeros(self.kda_heads, self.kda_dim, self.kda_dim, dtype=self.dtype, device=self.device),
                     )
                 )
             else:
@@ -71,8 +73,8 @@ class GoldenModel:
     def forward(self, input_ids: list[int], cache: SequenceCache | None = None) -> torch.Tensor:
         """Logits [T, vocab] for the new tokens, continuing the sequence in `cache`."""
         cache = cache if cache is not None else self.new_cache()
-        ids = torch.tensor(input_ids, dtype=torch.long)
-        positions = torch.arange(cache.length, cache.length + len(input_ids))
+        ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
+        positions = torch.arange(cache.length, cache.length + len(input_ids), device=self.device)
         x = self.w["model.embed_tokens.weight"][ids]
         c = self.config
         if c.attn_res_block_size is None:
@@ -240,11 +242,11 @@ class GoldenModel:
         return out
 
 
-def load(checkpoint_dir: str, dtype: torch.dtype = torch.float32) -> GoldenModel:
+def load(checkpoint_dir: str, dtype: torch.dtype = torch.float32, device="cpu") -> GoldenModel:
     """Load the golden model from a checkpoint folder (config.json + *.safetensors)."""
     config = HybridLinearSparseConfig.from_pretrained(checkpoint_dir)
     weights: dict[str, torch.Tensor] = {}
     for name in sorted(os.listdir(checkpoint_dir)):
         if name.endswith(".safetensors"):
             weights.update(load_file(os.path.join(checkpoint_dir, name)))
-    return GoldenModel(config, weights, dtype)
+    return GoldenModel(config, weights, dtype, device)

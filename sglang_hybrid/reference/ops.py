@@ -84,7 +84,7 @@ def rope_neox(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.T
     R = x.shape[-1]
     if R == 0:
         return x
-    inv_freq = 1.0 / (theta ** (torch.arange(0, R, 2, dtype=torch.float64) / R))
+    inv_freq = 1.0 / (theta ** (torch.arange(0, R, 2, dtype=torch.float64, device=x.device) / R))
     angles = positions.to(torch.float64)[:, None] * inv_freq[None, :]  # [T, R/2]
     cos = angles.cos().to(x.dtype)
     sin = angles.sin().to(x.dtype)

@@ -1,0 +1,54 @@
+"""`sglang-hybrid make-checkpoint`: seeded weights, offline tokenizer with a chat template."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+from safetensors.torch import load_file
+
+
+def _weights(path):
+    out = {}
+    for name in sorted(os.listdir(path)):
+        if name.endswith(".safetensors"):
+            out.update(load_file(os.path.join(path, name)))
+    return out
+
+
+def test_cli_writes_a_loadable_checkpoint_deterministic_in_the_seed(tmp_path):
+    for name, seed in (("a", 1), ("b", 1), ("c", 2)):
+        subprocess.run([sys.executable, "-m", "sglang_hybrid.cli", "make-checkpoint", "--preset", "tiny",
+                        "--out", str(tmp_path / name), "--seed", str(seed)], check=True, capture_output=True)
+    a, b, c = (_weights(tmp_path / n) for n in "abc")
+    assert a.keys() == b.keys() == c.keys()
+    assert all((a[k] == b[k]).all() for k in a)
+    assert any((a[k] != c[k]).any() for k in a)
+    index = json.load(open(tmp_path / "a" / "model.safetensors.index.json"))
+    assert set(index["weight_map"]) == set(a)
+
+
+def test_tokenizer_round_trips_and_has_a_chat_template(tmp_path):
+    from transformers import AutoTokenizer
+
+    from sglang_hybrid.checkpoints.maker import make_checkpoint
+
+    tok = AutoTokenizer.from_pretrained(make_checkpoint("tiny", str(tmp_path), with_weights=False))
+    text = "def f(x):\n    return x ** 2  # ünïcode ok\n"
+    assert tok.decode(tok.encode(text)) == text
+    assert len(tok) == json.load(open(tmp_path / "config.json"))["vocab_size"]
+    chat = tok.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False)
+    assert "hi" in chat and chat.endswith("assistant\n")
+    assert tok.eos_token is not None
+
+
+def test_bench_preset_is_config_only(tmp_path):
+    from sglang_hybrid.checkpoints.maker import make_checkpoint
+    from sglang_hybrid.configs import HybridLinearSparseConfig
+
+    path = make_checkpoint("bench", str(tmp_path))
+    assert not [n for n in os.listdir(path) if n.endswith(".safetensors")]
+    cfg = HybridLinearSparseConfig.from_pretrained(path)
+    assert (cfg.index_n_heads, cfg.index_head_dim, cfg.index_topk) == (64, 128, 2048)
