@@ -1,9 +1,9 @@
-"""Shared fixtures: the tiny checkpoint, its golden model, and a real SGLang server.
+"""Shared fixtures: a preset checkpoint (--preset, tiny by default), its golden model,
+and a real SGLang server.
 
 The server is SGLang's own (`sglang-hybrid serve` -> `python -m sglang.launch_server`),
 started once per session in a subprocess and killed at the end. On a host without
-a GPU it runs the CPU path; GPU tests start their own servers and are skipped
-without CUDA.
+a GPU it runs the CPU path; tests marked gpu are skipped without CUDA.
 """
 
 from __future__ import annotations
