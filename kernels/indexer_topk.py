@@ -1,0 +1,147 @@
+"""Fused lightning-indexer Top-K: scores never leave the chip.
+
+For every query row r (a decode token, a speculative-verify token, or a prefill
+token) the kernel scores each position s < row_len[r] of its request,
+
+    score[r, s] = sum_h w[r, h] * relu(q[r, h] . k[s]),
+
+reading the index-K cache through req_to_token (any page size: the table maps
+each position to its slot), and keeps a running Top-K on chip. Only the Top-K
+positions (and, optionally, their scores) are written; no [rows x history] score
+matrix exists anywhere.
+
+Order and ties follow reference.ops.topk_positions: higher score first, equal
+scores keep the lower position first; -1 (score -inf) pads a row whose history is
+shorter than K. This is exact because every (score, position) pair is packed into
+one int64 key whose signed order is (score, -position): the score's float bits
+mapped to an order-preserving int32 in the high word, 2^31 - 1 - position in the
+low word. Merging is a sort of those keys, so the selection is deterministic.
+
+The running Top-K is a sorted buffer of KP = next_pow2(K) keys plus a pending
+block of KP keys filled tile by tile; when the pending block is full, the 2*KP
+keys are sorted and the best KP kept. Cost per position: one K-row load, H dot
+products, and O(log^2 KP) amortised sort work.
+
+indexer_topk_torch is the plain-PyTorch reference of the same interface.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from sglang_hybrid.reference.ops import indexer_scores, topk_positions
+
+_LOW_MASK = 0xFFFFFFFF
+_POS_BASE = 0x7FFFFFFF
+
+
+@triton.jit
+def _encode(score, pos):
+    """(fp32 score, int64 position) -> int64 key; signed key order = (score, -position)."""
+    score = tl.where(score == 0.0, 0.0, score)  # -0.0 and +0.0 tie, as in torch.sort
+    bits = score.to(tl.int32, bitcast=True)
+    ordered = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
+    return (ordered.to(tl.int64) << 32) | (0x7FFFFFFF - pos)
+
+
+@triton.jit
+def _indexer_topk_kernel(
+    q_ptr, w_ptr, k_ptr, table_ptr, row_req_ptr, row_len_ptr, idx_ptr, score_ptr,
+    stride_qr, stride_qh, stride_wr, stride_k, stride_table, stride_out,
+    H, TOPK,
+    D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr, KP: tl.constexpr,
+    WRITE_SCORES: tl.constexpr,
+):
+    row = tl.program_id(0)
+    req = tl.load(row_req_ptr + row).to(tl.int64)
+    n = tl.load(row_len_ptr + row).to(tl.int64)
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, D)
+    q = tl.load(q_ptr + row * stride_qr + offs_h[:, None] * stride_qh + offs_d[None, :],
+                mask=offs_h[:, None] < H, other=0.0)
+    w = tl.load(w_ptr + row * stride_wr + offs_h, mask=offs_h < H, other=0.0).to(tl.float32)
+
+    NONE: tl.constexpr = -9223372036854775807 - 1
+    best = tl.full([KP], NONE, tl.int64)
+    tiles = tl.arange(0, KP // BLOCK_S)
+    for c0 in range(0, n, KP):
+        pending = tl.full([KP // BLOCK_S, BLOCK_S], NONE, tl.int64)
+        for j in range(0, KP // BLOCK_S):
+            pos = c0 + j * BLOCK_S + tl.arange(0, BLOCK_S).to(tl.int64)
+            valid = pos < n
+            slot = tl.load(table_ptr + req * stride_table + pos, mask=valid, other=0).to(tl.int64)
+            k = tl.load(k_ptr + slot[:, None] * stride_k + offs_d[None, :], mask=valid[:, None], other=0.0)
+            logits = tl.dot(k.to(q.dtype), tl.trans(q))  # [BLOCK_S, BLOCK_H], fp32
+            score = tl.sum(tl.maximum(logits, 0.0) * w[None, :], axis=1)
+            key = tl.where(valid, _encode(score, pos), NONE)
+            pending = tl.where(tiles[:, None] == j, key[None, :], pending)
+        merged = tl.sort(tl.cat(best, tl.reshape(pending, [KP]), can_reorder=True), descending=True)
+        halves = tl.reshape(merged, [2, KP])
+        best = tl.sum(tl.where(tl.arange(0, 2)[:, None] == 0, halves, 0), axis=0)
+
+    offs_k = tl.arange(0, KP)
+    found = best != NONE
+    pos = tl.where(found, 0x7FFFFFFF - (best & 0xFFFFFFFF), -1)
+    out_mask = offs_k < TOPK
+    tl.store(idx_ptr + row * stride_out + offs_k, pos.to(tl.int32), mask=out_mask)
+    if WRITE_SCORES:
+        ordered = (best >> 32).to(tl.int32)
+        bits = tl.where(ordered >= 0, ordered, ordered ^ 0x7FFFFFFF)
+        score = tl.where(found, bits.to(tl.float32, bitcast=True), float("-inf"))
+        tl.store(score_ptr + row * stride_out + offs_k, score, mask=out_mask)
+
+
+def indexer_topk(
+    q: torch.Tensor,
+    weights: torch.Tensor,
+    index_k: torch.Tensor,
+    req_to_token: torch.Tensor,
+    row_req: torch.Tensor,
+    row_len: torch.Tensor,
+    topk: int,
+    return_scores: bool = False,
+    block_s: int = 64,
+):
+    """Top-K history positions per query row.
+
+    q: [R, H, D] index queries; weights: [R, H] head weights with every scale folded in;
+    index_k: [slots, D] index-K cache; req_to_token: [reqs, max_len] position -> slot;
+    row_req: [R] request (row of req_to_token) of each query row; row_len: [R] how many
+    leading positions the row sees (a causal prefill token at position p sees p + 1).
+    Returns positions [R, topk] int32 (-1 padded), and their fp32 scores if asked.
+    """
+    R, H, D = q.shape
+    q, index_k = q.contiguous(), index_k.contiguous()
+    if D < 16 or D & (D - 1):
+        raise ValueError(f"index head dim must be a power of two >= 16, got {D}")
+    kp = max(triton.next_power_of_2(topk), 16)
+    block_s = min(block_s, kp)
+    idx = torch.empty(R, topk, dtype=torch.int32, device=q.device)
+    scores = torch.empty(R, topk, dtype=torch.float32, device=q.device) if return_scores else idx
+    if R:
+        weights = weights.float()
+        _indexer_topk_kernel[(R,)](
+            q, weights, index_k, req_to_token, row_req, row_len, idx, scores,
+            q.stride(0), q.stride(1), weights.stride(0), index_k.stride(0), req_to_token.stride(0), idx.stride(0),
+            H, topk,
+            D=D, BLOCK_H=max(triton.next_power_of_2(H), 16), BLOCK_S=block_s, KP=kp, WRITE_SCORES=return_scores,
+        )
+    return (idx, scores) if return_scores else idx
+
+
+def indexer_topk_torch(q, weights, index_k, req_to_token, row_req, row_len, topk, return_scores=False):
+    """Reference of indexer_topk: reference.ops scoring and Top-K over each row's gathered history."""
+    R = q.shape[0]
+    idx = torch.full((R, topk), -1, dtype=torch.int32, device=q.device)
+    scores = torch.full((R, topk), float("-inf"), dtype=torch.float32, device=q.device)
+    for r in range(R):
+        n = int(row_len[r])
+        keys = index_k[req_to_token[int(row_req[r]), :n].long()].float()
+        s = indexer_scores(q[r : r + 1].float(), weights[r : r + 1].float(), keys, torch.tensor([n - 1]))
+        sel = topk_positions(s, topk)[0]
+        idx[r] = sel.to(torch.int32)
+        valid = sel >= 0
+        scores[r, valid] = s[0, sel[valid]]
+    return (idx, scores) if return_scores else idx

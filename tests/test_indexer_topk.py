@@ -1,0 +1,103 @@
+"""Fused indexer Top-K kernel against its PyTorch reference (Triton interpreter on CPU).
+
+Integer-valued inputs make every score exact in fp32, so positions (and the tie
+rule) must match bit for bit; random inputs check scores to rounding and positions
+wherever the Top-K boundary is not a near tie.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+
+import pytest
+import torch
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# Without a GPU the kernel runs in Triton's interpreter: chosen when the kernel is
+# defined and consulted again at launch, so it is on for the import and every test here.
+_INTERPRET = {} if torch.cuda.is_available() else {"TRITON_INTERPRET": "1"}
+
+
+@pytest.fixture(autouse=True)
+def _interpreter(monkeypatch):
+    for key, value in _INTERPRET.items():
+        monkeypatch.setenv(key, value)
+
+
+def _kernels():
+    saved = {key: os.environ.get(key) for key in _INTERPRET}
+    os.environ.update(_INTERPRET)
+    try:
+        return importlib.import_module("sglang_hybrid.kernels.indexer_topk")
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key)
+            else:
+                os.environ[key] = value
+
+
+_module = _kernels()
+indexer_topk, indexer_topk_torch = _module.indexer_topk, _module.indexer_topk_torch
+
+
+def _case(row_lens, reqs, H, D, max_len, integer, dtype, seed=0):
+    """Random paged cache: each request's positions map to scattered slots."""
+    g = torch.Generator().manual_seed(seed)
+    n_req = max(reqs) + 1
+    slots = torch.randperm(n_req * max_len + 7, generator=g)[: n_req * max_len].reshape(n_req, max_len).to(torch.int32)
+    total = n_req * max_len + 7
+    if integer:
+        k = torch.randint(-3, 4, (total, D), generator=g).to(dtype)
+        q = torch.randint(-2, 3, (len(row_lens), H, D), generator=g).to(dtype)
+        w = torch.randint(-2, 3, (len(row_lens), H), generator=g).float()
+    else:
+        k = torch.randn(total, D, generator=g).to(dtype)
+        q = torch.randn(len(row_lens), H, D, generator=g).to(dtype)
+        w = torch.randn(len(row_lens), H, generator=g)
+    to = dict(device=DEVICE)
+    return (q.to(**to), w.to(**to), k.to(**to), slots.to(**to),
+            torch.tensor(reqs, dtype=torch.int32, **to), torch.tensor(row_lens, dtype=torch.int32, **to))
+
+
+# (row_lens, request of each row, heads, head dim, topk)
+SHAPES = [
+    ([0], [0], 4, 16, 8),                     # empty history: all -1
+    ([1], [0], 4, 16, 8),                     # one token
+    ([5, 16, 17], [0, 1, 2], 4, 32, 16),      # K larger than, equal to, just below the history
+    ([64, 65, 130], [0, 0, 1], 3, 16, 16),    # tile boundaries (block 16), two rows of one request
+    ([200, 7, 31, 150], [2, 0, 2, 1], 5, 32, 32),  # ragged batch, decode/verify/prefill rows mixed
+    ([90], [0], 16, 16, 24),                  # topk not a power of two
+    ([300, 299], [1, 1], 8, 16, 64),          # several merges of the running Top-K (K = 64)
+]
+
+
+@pytest.mark.parametrize("row_lens, reqs, H, D, topk", SHAPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_exact_inputs_match_reference_including_ties(row_lens, reqs, H, D, topk, dtype):
+    """Small integers: exact scores, many exact ties (relu zeros, repeated values)."""
+    args = _case(row_lens, reqs, H, D, max(max(row_lens), 1), integer=True, dtype=dtype)
+    idx, scores = indexer_topk(*args, topk, return_scores=True, block_s=16)
+    ref_idx, ref_scores = indexer_topk_torch(*args, topk, return_scores=True)
+    assert torch.equal(idx.cpu(), ref_idx.cpu())
+    assert torch.equal(scores.cpu(), ref_scores.cpu())
+
+
+@pytest.mark.parametrize("row_lens, reqs, H, D, topk", SHAPES[2:])
+def test_random_inputs_match_reference(row_lens, reqs, H, D, topk):
+    args = _case(row_lens, reqs, H, D, max(row_lens), integer=False, dtype=torch.float32, seed=1)
+    idx, scores = indexer_topk(*args, topk, return_scores=True, block_s=16)
+    ref_idx, ref_scores = indexer_topk_torch(*args, topk, return_scores=True)
+    torch.testing.assert_close(scores.cpu(), ref_scores.cpu(), rtol=1e-5, atol=1e-5)
+    # Positions agree except where rounding reorders a near tie.
+    gaps = (ref_scores[:, :-1] - ref_scores[:, 1:]).abs().cpu()
+    tie = torch.cat([gaps < 1e-4, torch.zeros(len(row_lens), 1, dtype=torch.bool)], 1)
+    tie = tie | torch.cat([torch.zeros(len(row_lens), 1, dtype=torch.bool), tie[:, :-1]], 1)
+    assert torch.equal(idx.cpu()[~tie], ref_idx.cpu()[~tie])
+
+
+def test_rejects_unsupported_head_dim():
+    args = _case([4], [0], 2, 12, 4, integer=True, dtype=torch.float32)
+    with pytest.raises(ValueError, match="index head dim"):
+        indexer_topk(*args, 4)
