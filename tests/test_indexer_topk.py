@@ -7,38 +7,14 @@ wherever the Top-K boundary is not a near tie.
 
 from __future__ import annotations
 
-import importlib
-import os
-
 import pytest
 import torch
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-# Without a GPU the kernel runs in Triton's interpreter: chosen when the kernel is
-# defined and consulted again at launch, so it is on for the import and every test here.
-_INTERPRET = {} if torch.cuda.is_available() else {"TRITON_INTERPRET": "1"}
+from triton_interpreter import DEVICE, import_kernels, interpreter  # noqa: F401 (fixture)
 
+pytestmark = pytest.mark.usefixtures("interpreter")
 
-@pytest.fixture(autouse=True)
-def _interpreter(monkeypatch):
-    for key, value in _INTERPRET.items():
-        monkeypatch.setenv(key, value)
-
-
-def _kernels():
-    saved = {key: os.environ.get(key) for key in _INTERPRET}
-    os.environ.update(_INTERPRET)
-    try:
-        return importlib.import_module("sglang_hybrid.kernels.indexer_topk")
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key)
-            else:
-                os.environ[key] = value
-
-
-_module = _kernels()
+_module = import_kernels("sglang_hybrid.kernels.indexer_topk")
 indexer_topk, indexer_topk_torch = _module.indexer_topk, _module.indexer_topk_torch
 
 

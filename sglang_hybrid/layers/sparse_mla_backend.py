@@ -20,6 +20,7 @@ import torch
 from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 
+from sglang_hybrid.kernels.sparse_mla import sparse_mla_torch
 from sglang_hybrid.reference.ops import topk_positions
 
 # Scratch budget for one extend block of indexer logits [rows, heads, history] (fp32).
@@ -88,8 +89,7 @@ class SparseMLAAttnBackend(AttentionBackend):
             if n == 0:
                 continue
             L = prefix + n
-            locs = self.req_to_token[req, :L].long()
-            hist_kv, hist_ik = kv[locs], ik[locs]
+            hist_ik = ik[self.req_to_token[req, :L].long()]
             block = max(1, _EXTEND_SCORE_BYTES // (4 * index_q.shape[1] * L))
             for r0 in range(0, n, block):
                 rows = slice(start + r0, start + min(n, r0 + block))
@@ -97,7 +97,8 @@ class SparseMLAAttnBackend(AttentionBackend):
                 scores = _index_scores(index_q[rows], index_weights[rows], hist_ik)
                 visible = torch.arange(L, device=q.device)[None, :] <= positions[:, None]
                 selected = topk_positions(scores.masked_fill(~visible, float("-inf")), self.topk)
-                out[rows] = _latent_attention(q[rows], hist_kv[selected.clamp(min=0)], selected >= 0, rank, layer.scaling)
+                row_req = torch.full((len(positions),), req, dtype=torch.long, device=q.device)
+                out[rows] = sparse_mla_torch(q[rows], kv, self.req_to_token, row_req, selected, rank, layer.scaling)
             start += n
         return out.reshape(-1, H * rank)
 
@@ -113,8 +114,8 @@ class SparseMLAAttnBackend(AttentionBackend):
         scores = torch.einsum("bh,bhl->bl", index_weights.float(), scores)
         visible = torch.arange(L, device=q.device)[None, :] < forward_batch.seq_lens[:, None]
         selected = topk_positions(scores.masked_fill(~visible, float("-inf")), self.topk)  # [B, topk]
-        picked = kv[torch.gather(locs, 1, selected.clamp(min=0))]  # [B, topk, rank + rope]
-        return _latent_attention(q, picked, selected >= 0, rank, layer.scaling).reshape(B, H * rank)
+        out = sparse_mla_torch(q, kv, self.req_to_token, forward_batch.req_pool_indices, selected, rank, layer.scaling)
+        return out.reshape(B, H * rank)
 
 
 def _index_scores(index_q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
@@ -122,13 +123,3 @@ def _index_scores(index_q: torch.Tensor, weights: torch.Tensor, keys: torch.Tens
     logits = torch.einsum("thd,sd->ths", index_q.float(), keys.float()).relu_()
     return torch.einsum("th,ths->ts", weights.float(), logits)
 
-
-def _latent_attention(q, picked, valid, rank: int, scale: float) -> torch.Tensor:
-    """Softmax attention of each row over its gathered latent rows.
-
-    q: [T, H, rank + rope]; picked: [T, K, rank + rope] the selected rows;
-    valid: [T, K] (False where Top-K came back -1). Returns [T, H, rank].
-    """
-    logits = torch.einsum("thd,tkd->thk", q.float(), picked.float()) * scale
-    probs = logits.masked_fill(~valid[:, None, :], float("-inf")).softmax(-1)
-    return torch.einsum("thk,tkd->thd", probs, picked[..., :rank].float()).to(q.dtype)

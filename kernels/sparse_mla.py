@@ -1,0 +1,96 @@
+"""Sparse MLA attention over the indexer's selection, in absorbed (latent) form.
+
+Each query row r attends only to the positions its indexer kept, selected[r, :]
+(-1 = none). The latent cache holds one row per token, [c (rank) | k_pe (rope)],
+shared by all heads (MQA over the latent); the absorbed query per head is
+[q_nope W_kc (rank) | q_pe (rope)]. Per row:
+
+    logits[h, j] = scale * q[h] . kv[slot(selected[j])]
+    out[h]       = softmax_j(logits[h]) @ kv[slot(selected[j]), :rank]
+
+The kernel walks the selection in blocks with an online softmax (one program per
+row), gathering the selected latent rows through req_to_token. The caller applies
+W_vc. sparse_mla_torch is the plain-PyTorch reference of the same interface.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _sparse_mla_kernel(
+    q_ptr, kv_ptr, table_ptr, row_req_ptr, sel_ptr, out_ptr,
+    stride_qr, stride_qh, stride_kv, stride_table, stride_sel, stride_or, stride_oh,
+    H, RANK, ROPE, TOPK, scale,
+    BLOCK_H: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    row = tl.program_id(0)
+    req = tl.load(row_req_ptr + row).to(tl.int64)
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_c = tl.arange(0, BLOCK_C)
+    offs_r = tl.arange(0, BLOCK_R)
+    mask_h = offs_h < H
+    q_c = tl.load(q_ptr + row * stride_qr + offs_h[:, None] * stride_qh + offs_c[None, :],
+                  mask=mask_h[:, None] & (offs_c[None, :] < RANK), other=0.0)
+    q_r = tl.load(q_ptr + row * stride_qr + offs_h[:, None] * stride_qh + RANK + offs_r[None, :],
+                  mask=mask_h[:, None] & (offs_r[None, :] < ROPE), other=0.0)
+
+    m = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_C], tl.float32)
+    for n0 in range(0, TOPK, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        pos = tl.load(sel_ptr + row * stride_sel + offs_n, mask=offs_n < TOPK, other=-1).to(tl.int64)
+        valid = pos >= 0
+        slot = tl.load(table_ptr + req * stride_table + pos, mask=valid, other=0).to(tl.int64)
+        kv_c = tl.load(kv_ptr + slot[:, None] * stride_kv + offs_c[None, :],
+                       mask=valid[:, None] & (offs_c[None, :] < RANK), other=0.0)
+        kv_r = tl.load(kv_ptr + slot[:, None] * stride_kv + RANK + offs_r[None, :],
+                       mask=valid[:, None] & (offs_r[None, :] < ROPE), other=0.0)
+        logits = tl.dot(q_c, tl.trans(kv_c.to(q_c.dtype))) + tl.dot(q_r, tl.trans(kv_r.to(q_r.dtype)))
+        logits = tl.where(valid[None, :], logits * scale, float("-inf"))  # [BLOCK_H, BLOCK_N]
+        m_new = tl.maximum(m, tl.max(logits, axis=1))
+        # Rows that have seen nothing valid yet keep m = -inf; guard exp(-inf - -inf).
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp(logits - m_safe[:, None])
+        alpha = tl.exp(m - m_safe)
+        l = l * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(kv_c.dtype), kv_c).to(tl.float32)
+        m = m_new
+    out = acc / tl.where(l == 0.0, 1.0, l)[:, None]  # a row with nothing selected gives zeros
+    tl.store(out_ptr + row * stride_or + offs_h[:, None] * stride_oh + offs_c[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=mask_h[:, None] & (offs_c[None, :] < RANK))
+
+
+def sparse_mla(q: torch.Tensor, kv_cache: torch.Tensor, req_to_token: torch.Tensor, row_req: torch.Tensor,
+               selected: torch.Tensor, rank: int, scale: float, block_n: int = 32) -> torch.Tensor:
+    """q: [R, H, rank + rope] absorbed queries; kv_cache: [slots, rank + rope] latent rows;
+    req_to_token: [reqs, max_len]; row_req: [R]; selected: [R, topk] positions (-1 = none).
+    Returns [R, H, rank] in q's dtype."""
+    R, H, width = q.shape
+    rope = width - rank
+    q, kv_cache, selected = q.contiguous(), kv_cache.contiguous(), selected.contiguous()
+    out = torch.empty(R, H, rank, dtype=q.dtype, device=q.device)
+    if R:
+        _sparse_mla_kernel[(R,)](
+            q, kv_cache, req_to_token, row_req, selected, out,
+            q.stride(0), q.stride(1), kv_cache.stride(0), req_to_token.stride(0), selected.stride(0),
+            out.stride(0), out.stride(1),
+            H, rank, rope, selected.shape[1], scale,
+            BLOCK_H=max(16, triton.next_power_of_2(H)), BLOCK_C=max(16, triton.next_power_of_2(rank)),
+            BLOCK_R=max(16, triton.next_power_of_2(max(rope, 1))), BLOCK_N=block_n,
+        )
+    return out
+
+
+def sparse_mla_torch(q, kv_cache, req_to_token, row_req, selected, rank, scale):
+    """Reference of sparse_mla: gather the selected latent rows, softmax, weighted sum, in fp32."""
+    slots = req_to_token[row_req.long()[:, None], selected.clamp(min=0).long()].long()  # [R, topk]
+    picked = kv_cache[slots].float()  # [R, topk, rank + rope]
+    logits = torch.einsum("rhd,rkd->rhk", q.float(), picked) * scale
+    logits = logits.masked_fill((selected < 0)[:, None, :], float("-inf"))
+    probs = torch.nan_to_num(logits.softmax(-1))  # nothing selected -> zeros
+    return torch.einsum("rhk,rkd->rhd", probs, picked[..., :rank]).to(q.dtype)

@@ -1,0 +1,56 @@
+"""Sparse MLA kernel against its PyTorch reference (Triton interpreter on CPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from triton_interpreter import DEVICE, import_kernels, interpreter  # noqa: F401 (fixture)
+
+pytestmark = pytest.mark.usefixtures("interpreter")
+
+_module = import_kernels("sglang_hybrid.kernels.sparse_mla")
+sparse_mla, sparse_mla_torch = _module.sparse_mla, _module.sparse_mla_torch
+
+
+# (history length of each row's request, selected count per row, topk, heads, rank, rope)
+SHAPES = [
+    ([1], [1], 4, 4, 32, 8),                 # one token; rope narrower than a dot tile
+    ([10, 40], [10, 16], 16, 3, 16, 16),     # K larger than the history (-1 padding), full selection
+    ([100, 100, 7], [33, 64, 7], 64, 16, 64, 32),  # several blocks, ragged selections
+    ([5], [0], 8, 2, 16, 8),                 # nothing selected: zeros
+]
+
+
+def _case(hist, counts, topk, H, rank, rope, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    R, max_len = len(hist), max(hist)
+    slots = torch.randperm(R * max_len + 3, generator=g)[: R * max_len].reshape(R, max_len).to(torch.int32)
+    kv = torch.randn(R * max_len + 3, rank + rope, generator=g).to(dtype)
+    q = torch.randn(R, H, rank + rope, generator=g).to(dtype)
+    selected = torch.full((R, topk), -1, dtype=torch.int32)
+    for r, (n, c) in enumerate(zip(hist, counts)):
+        selected[r, :c] = torch.randperm(n, generator=g)[:c].to(torch.int32)
+    to = dict(device=DEVICE)
+    return q.to(**to), kv.to(**to), slots.to(**to), torch.arange(R, dtype=torch.int32, **to), selected.to(**to)
+
+
+@pytest.mark.parametrize("hist, counts, topk, H, rank, rope", SHAPES)
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.float16, 2e-3)])
+def test_sparse_mla_matches_reference(hist, counts, topk, H, rank, rope, dtype, tol):
+    q, kv, table, rows, selected = _case(hist, counts, topk, H, rank, rope, dtype)
+    scale = (rank + rope) ** -0.5
+    out = sparse_mla(q, kv, table, rows, selected, rank, scale, block_n=16)
+    ref = sparse_mla_torch(q, kv, table, rows, selected, rank, scale)
+    torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol)
+    if not any(counts):
+        assert not out.any()
+
+
+def test_only_selected_positions_matter():
+    q, kv, table, rows, selected = _case([50], [8], 8, 2, 16, 16, torch.float32)
+    out = sparse_mla(q, kv, table, rows, selected, 16, 0.25, block_n=16)
+    others = torch.ones(kv.shape[0], dtype=torch.bool, device=kv.device)
+    others[table[0, selected[0].long()].long()] = False
+    kv[others] = 1e3  # everything not selected changes wildly
+    torch.testing.assert_close(sparse_mla(q, kv, table, rows, selected, 16, 0.25, block_n=16), out)
