@@ -20,7 +20,9 @@ low word. Merging is a sort of those keys, so the selection is deterministic.
 The running Top-K is a sorted buffer of KP = next_pow2(K) keys plus a pending
 block of KP keys filled tile by tile; when the pending block is full, the 2*KP
 keys are sorted and the best KP kept. Cost per position: one K-row load, H dot
-products, and O(log^2 KP) amortised sort work.
+products, and O(log^2 KP) amortised sort work. One program serves one row, so the
+rows of a prefill chunk each read their request's history; sharing K tiles across
+a block of rows (and the MXFP8 cache path) is the next step, measured on the GPU.
 
 indexer_topk_torch is the plain-PyTorch reference of the same interface.
 """

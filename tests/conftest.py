@@ -20,7 +20,11 @@ import pytest
 import requests
 import torch
 
-from sglang_hybrid import cpu_support
+import triton_interpreter
+
+triton_interpreter.prepare()  # before anything imports Triton
+
+from sglang_hybrid import cpu_support  # noqa: E402
 
 # Without a GPU, SGLang (imported by tests and by the Engine) needs the CPU shims first.
 cpu_support.activate()

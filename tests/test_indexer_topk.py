@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from triton_interpreter import DEVICE, import_kernels, interpreter  # noqa: F401 (fixture)
+from triton_interpreter import DEVICE, KERNEL_DTYPES, import_kernels, interpreter  # noqa: F401 (fixture)
 
 pytestmark = pytest.mark.usefixtures("interpreter")
 
@@ -50,7 +50,7 @@ SHAPES = [
 
 
 @pytest.mark.parametrize("row_lens, reqs, H, D, topk", SHAPES)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES)
 def test_exact_inputs_match_reference_including_ties(row_lens, reqs, H, D, topk, dtype):
     """Small integers: exact scores, many exact ties (relu zeros, repeated values)."""
     args = _case(row_lens, reqs, H, D, max(max(row_lens), 1), integer=True, dtype=dtype)

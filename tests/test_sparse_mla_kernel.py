@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from triton_interpreter import DEVICE, import_kernels, interpreter  # noqa: F401 (fixture)
+from triton_interpreter import DEVICE, KERNEL_DTYPES, import_kernels, interpreter  # noqa: F401 (fixture)
 
 pytestmark = pytest.mark.usefixtures("interpreter")
 
@@ -36,8 +36,9 @@ def _case(hist, counts, topk, H, rank, rope, dtype, seed=0):
 
 
 @pytest.mark.parametrize("hist, counts, topk, H, rank, rope", SHAPES)
-@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.float16, 2e-3)])
-def test_sparse_mla_matches_reference(hist, counts, topk, H, rank, rope, dtype, tol):
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES)
+def test_sparse_mla_matches_reference(hist, counts, topk, H, rank, rope, dtype):
+    tol = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}[dtype]
     q, kv, table, rows, selected = _case(hist, counts, topk, H, rank, rope, dtype)
     scale = (rank + rope) ** -0.5
     out = sparse_mla(q, kv, table, rows, selected, rank, scale, block_n=16)

@@ -1,12 +1,16 @@
 """Kernel tests without a GPU run in Triton's interpreter (fp32/fp16; bf16 is broken there).
 
-The interpreter is chosen when a kernel is defined and consulted again at launch, so it is
-switched on for the kernel module's import and, through the `interpreter` fixture, for each
-test that launches it — and nowhere else (server tests must not inherit it).
+The interpreter is chosen when a function is decorated with @triton.jit: this
+project's kernels *and* Triton's own library (tl.sort, tl.cdiv, ...) must be defined
+in interpreter mode, and gluon's import checks the mode too. conftest therefore calls
+`prepare()` before anything imports Triton; kernel modules are imported through
+`import_kernels`, and the `interpreter` fixture keeps the mode on while a test
+launches them. Elsewhere the variable stays unset, so servers never inherit it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
 
@@ -14,20 +18,35 @@ import pytest
 import torch
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# Dtypes a kernel test covers here: the interpreter's, plus bf16 on a GPU.
+KERNEL_DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if torch.cuda.is_available() else [])
 _ENV = {} if torch.cuda.is_available() else {"TRITON_INTERPRET": "1"}
 
 
-def import_kernels(name: str):
+@contextlib.contextmanager
+def _interpreting():
     saved = {key: os.environ.get(key) for key in _ENV}
     os.environ.update(_ENV)
     try:
-        return importlib.import_module(name)
+        yield
     finally:
         for key, value in saved.items():
             if value is None:
                 os.environ.pop(key)
             else:
                 os.environ[key] = value
+
+
+def prepare() -> None:
+    """Define Triton's library in the mode the kernel tests launch in (call before any Triton import)."""
+    with _interpreting():
+        import triton.experimental.gluon.language  # noqa: F401
+        import triton.language  # noqa: F401
+
+
+def import_kernels(name: str):
+    with _interpreting():
+        return importlib.import_module(name)
 
 
 @pytest.fixture
