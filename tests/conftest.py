@@ -50,20 +50,32 @@ def free_port() -> int:
 class Server:
     """A running `sglang-hybrid serve` subprocess."""
 
-    def __init__(self, model_path: str, log_path: str, extra_args=(), env=None):
+    # A free port cannot be reserved for another process: until the server binds it,
+    # SGLang's own internal ports (ZMQ, torch.distributed) may take it. Then try another.
+    PORT_ATTEMPTS = 3
+
+    def __init__(self, model_path: str, log_path: str, extra_args=()):
+        self.args = ["--model-path", model_path, "--host", "127.0.0.1", *extra_args]
+        self.log_path = log_path
+        self.log = open(log_path, "w")
+        self._start()
+
+    def _start(self):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = log_path
-        cmd = [sys.executable, "-m", "sglang_hybrid.cli", "serve", "--model-path", model_path,
-               "--host", "127.0.0.1", "--port", str(self.port), *extra_args]
-        self.log = open(log_path, "w")
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True,
-                                     env={**os.environ, **(env or {})})
+        cmd = [sys.executable, "-m", "sglang_hybrid.cli", "serve", *self.args, "--port", str(self.port)]
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
 
     def wait_ready(self, timeout: float = TIMEOUT_S) -> "Server":
         deadline = time.time() + timeout
+        attempts = 1
         while time.time() < deadline:
             if self.proc.poll() is not None:
+                lost_port = f"('127.0.0.1', {self.port}): address already in use" in self.read_log()
+                if lost_port and attempts < self.PORT_ATTEMPTS:
+                    attempts += 1
+                    self._start()
+                    continue
                 raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.read_log()[-5000:]}")
             try:
                 if requests.get(self.url + "/health", timeout=5).status_code == 200:
