@@ -21,7 +21,7 @@ from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 
 from sglang_hybrid.kernels.sparse_mla import sparse_mla_torch
-from sglang_hybrid.reference.ops import topk_positions
+from sglang_hybrid.reference.ops import indexer_scores, topk_positions
 
 # Scratch budget for one extend block of indexer logits [rows, heads, history] (fp32).
 _EXTEND_SCORE_BYTES = 256 << 20
@@ -94,9 +94,8 @@ class SparseMLAAttnBackend(AttentionBackend):
             for r0 in range(0, n, block):
                 rows = slice(start + r0, start + min(n, r0 + block))
                 positions = torch.arange(prefix + r0, prefix + min(n, r0 + block), device=q.device)
-                scores = _index_scores(index_q[rows], index_weights[rows], hist_ik)
-                visible = torch.arange(L, device=q.device)[None, :] <= positions[:, None]
-                selected = topk_positions(scores.masked_fill(~visible, float("-inf")), self.topk)
+                scores = indexer_scores(index_q[rows].float(), index_weights[rows].float(), hist_ik.float(), positions)
+                selected = topk_positions(scores, self.topk)
                 row_req = torch.full((len(positions),), req, dtype=torch.long, device=q.device)
                 out[rows] = sparse_mla_torch(q[rows], kv, self.req_to_token, row_req, selected, rank, layer.scaling)
             start += n
@@ -116,10 +115,4 @@ class SparseMLAAttnBackend(AttentionBackend):
         selected = topk_positions(scores.masked_fill(~visible, float("-inf")), self.topk)  # [B, topk]
         out = sparse_mla_torch(q, kv, self.req_to_token, forward_batch.req_pool_indices, selected, rank, layer.scaling)
         return out.reshape(B, H * rank)
-
-
-def _index_scores(index_q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-    """sum_h w[t, h] * relu(q[t, h] . k[s]) in fp32, [T, S]."""
-    logits = torch.einsum("thd,sd->ths", index_q.float(), keys.float()).relu_()
-    return torch.einsum("th,ths->ts", weights.float(), logits)
 
