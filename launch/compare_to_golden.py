@@ -69,7 +69,7 @@ def main() -> None:
 
     golden = load(ckpt, device="cuda" if cuda else "cpu")
     if args.dtype != "float32":  # the weights the server holds, computed in fp32
-        golden.w = {k: v.to(getattr(torch, args.dtype)).float() for k, v in golden.w.items()}
+        golden = golden.with_weights_rounded_to(getattr(torch, args.dtype))
 
     def rel(a, b):
         return ((a.float() - b).norm() / b.norm()).item()

@@ -53,10 +53,7 @@ BF16_MAX_MEAN_LOGPROB_ERROR = 0.3
 
 
 def test_bf16_statistically_tracks_golden(checkpoint, golden, preset):
-    from sglang_hybrid.reference.model import GoldenModel
-
-    ref = GoldenModel(golden.config, {k: v.to(torch.bfloat16).float() for k, v in golden.w.items()},
-                      device=golden.device)
+    ref = golden.with_weights_rounded_to(torch.bfloat16)
     rng = random.Random(2)
     prompts = [[rng.randrange(3, 2000) for _ in range(n)] for n in (12, 40, 300)]
     log_dir = os.environ.get("SGLANG_HYBRID_TEST_LOGS") or "."

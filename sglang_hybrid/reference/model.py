@@ -84,6 +84,11 @@ class GoldenModel:
         cache.length += len(input_ids)
         return h @ self._lm_head().T
 
+    def with_weights_rounded_to(self, dtype: torch.dtype) -> "GoldenModel":
+        """The same model on weights rounded to `dtype` (what a server at that dtype holds),
+        still computing in this model's dtype."""
+        return GoldenModel(self.config, {k: v.to(dtype) for k, v in self.w.items()}, self.dtype, self.device)
+
     def logits(self, input_ids: list[int]) -> torch.Tensor:
         """Logits of one full prefill, [T, vocab]."""
         return self.forward(input_ids, self.new_cache())
