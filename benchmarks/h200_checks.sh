@@ -3,6 +3,7 @@
 # On the device machine, from the project root, with .device-bundle carried:
 #   bash benchmarks/h200_checks.sh tiny     # kernel tests (bf16 too), tiny end to end, Engine, bf16 vs golden
 #   bash benchmarks/h200_checks.sh small    # small end to end, bf16 vs golden, bench preset on dummy weights
+#   bash benchmarks/h200_checks.sh tiny-e2e small-e2e   # or any list of the parts named below
 # Each pytest run writes $OUT/<stage>-<part>/pytest.txt and the server logs beside it.
 set -u
 source launch/h200_env.sh >/dev/null || exit 1
@@ -18,19 +19,23 @@ run() {  # run NAME SECONDS pytest-args...
   grep -E "^(FAILED|ERROR)|passed|failed|bf16 vs fp32|max \|" "$OUT/$name/pytest.txt" | tail -12
 }
 
-case "${1:-}" in
-  tiny)
-    run tiny-kernels 90 tests/test_indexer_topk.py tests/test_sparse_mla_kernel.py
-    run tiny-e2e 300 tests/test_engine.py tests/test_server.py --preset tiny
-    run tiny-bf16 150 tests/test_gpu.py::test_bf16_statistically_tracks_golden --preset tiny
-    ;;
-  small)
-    run small-e2e 240 tests/test_server.py --preset small
-    run small-bf16 140 tests/test_gpu.py::test_bf16_statistically_tracks_golden --preset small
-    run bench 200 tests/test_gpu.py::test_bench_preset_dummy_weights_answers
-    ;;
-  *)
-    echo "usage: bash benchmarks/h200_checks.sh {tiny|small}" >&2
-    exit 2
-    ;;
-esac
+part() {
+  case "$1" in
+    tiny-kernels) run tiny-kernels 90 tests/test_indexer_topk.py tests/test_sparse_mla_kernel.py ;;
+    tiny-e2e) run tiny-e2e 300 tests/test_engine.py tests/test_server.py --preset tiny ;;
+    tiny-bf16) run tiny-bf16 150 tests/test_gpu.py::test_bf16_statistically_tracks_golden --preset tiny ;;
+    small-e2e) run small-e2e 240 tests/test_server.py --preset small ;;
+    small-bf16) run small-bf16 140 tests/test_gpu.py::test_bf16_statistically_tracks_golden --preset small ;;
+    bench) run bench 200 tests/test_gpu.py::test_bench_preset_dummy_weights_answers ;;
+    *) echo "usage: bash benchmarks/h200_checks.sh {tiny|small|PART...}" >&2; exit 2 ;;
+  esac
+}
+
+[ $# -gt 0 ] || part usage
+for name in "$@"; do
+  case "$name" in
+    tiny) for p in tiny-kernels tiny-e2e tiny-bf16; do part $p; done ;;
+    small) for p in small-e2e small-bf16 bench; do part $p; done ;;
+    *) part "$name" ;;
+  esac
+done

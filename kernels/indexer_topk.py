@@ -141,7 +141,7 @@ def indexer_topk_torch(q, weights, index_k, req_to_token, row_req, row_len, topk
     for r in range(R):
         n = int(row_len[r])
         keys = index_k[req_to_token[int(row_req[r]), :n].long()].float()
-        s = indexer_scores(q[r : r + 1].float(), weights[r : r + 1].float(), keys, torch.tensor([n - 1]))
+        s = indexer_scores(q[r : r + 1].float(), weights[r : r + 1].float(), keys, torch.tensor([n - 1], device=keys.device))
         sel = topk_positions(s, topk)[0]
         idx[r] = sel.to(torch.int32)
         valid = sel >= 0

@@ -82,3 +82,36 @@ def test_bf16_statistically_tracks_golden(checkpoint, golden, preset):
         json.dump(stats, f)
     assert stats["argmax_agreement"] >= BF16_MIN_AGREEMENT
     assert stats["mean_logprob_error"] <= BF16_MAX_MEAN_LOGPROB_ERROR
+
+
+@pytest.mark.parametrize("lens", [[200], [1, 63, 64, 130]])
+def test_sglang_chunk_kda_fp32_matches_reference(lens):
+    """SGLang's chunked KDA (what the server runs for prefill on a GPU), fp32 with IEEE
+    dots, against the golden recurrence: outputs and final states of a ragged batch."""
+    from sglang.kernels.ops.attention.fla.kda import chunk_kda
+
+    from sglang_hybrid.layers.kda_backend import _honor_ieee_fp32_dots
+    from sglang_hybrid.reference import ops
+
+    _honor_ieee_fp32_dots()
+    g = torch.Generator(device="cuda").manual_seed(0)
+    H, K, T, N = 2, 32, sum(lens), len(lens)
+    q, k, v, f = (torch.randn(1, T, H, K, device="cuda", generator=g) for _ in range(4))
+    beta = torch.rand(1, T, H, device="cuda", generator=g)
+    A_log, dt_bias = torch.randn(H, device="cuda", generator=g) * 0.5, torch.randn(H * K, device="cuda", generator=g)
+    state = torch.zeros(N + 1, H, K, K, device="cuda")  # pool layout [slot, H, V, K]
+    slots = torch.arange(1, N + 1, device="cuda", dtype=torch.int32)
+    cu = torch.tensor([0] + lens, device="cuda").cumsum(0).to(torch.int32)
+    out = chunk_kda(q=q, k=k, v=v, g=f, beta=beta, initial_state=state, initial_state_indices=slots,
+                    use_qk_l2norm_in_kernel=True, cu_seqlens=cu, A_log=A_log, dt_bias=dt_bias, lower_bound=None)
+    out = out[0] if isinstance(out, tuple) else out
+    errs = []
+    for i in range(N):
+        s, e = int(cu[i]), int(cu[i + 1])
+        gate = ops.kda_gate(f[0, s:e], A_log, dt_bias)
+        want, final = ops.kda_recurrence(ops.l2norm(q[0, s:e]) * K**-0.5, ops.l2norm(k[0, s:e]), v[0, s:e], gate,
+                                         beta[0, s:e], torch.zeros(H, K, K, device="cuda"))
+        errs.append(((out[0, s:e] - want).norm() / want.norm()).item())
+        errs.append(((state[i + 1].transpose(-1, -2) - final).norm() / final.norm()).item())
+    print(f"chunk_kda fp32 vs reference, relative error per request (out, state): {errs}")
+    assert max(errs) < 1e-5

@@ -214,7 +214,29 @@ class HybridLinearSparseConfig(PretrainedConfig):
             head_dim=lac["head_dim"],
             conv_kernel_size=lac["short_conv_kernel_size"],
         )
-        return KimiLinearCacheParams(shape=shape, layers=self.linear_layer_ids)
+        return KimiLinearCacheParams(
+            shape=shape, layers=self.linear_layer_ids, dtype=self._kda_state_dtype()
+        )
+
+    def _kda_state_dtype(self):
+        """SGLang keeps conv windows in bf16 unless told otherwise, but its Triton
+        short conv needs them in the activation dtype (fp32/fp16 serving fails to
+        compile). So they follow --dtype unless SGLANG_MAMBA_CONV_DTYPE is set."""
+        import dataclasses
+
+        from sglang.srt.configs.mamba_utils import mamba2_state_dtype
+        from sglang.srt.configs.model_config import _get_and_verify_dtype
+        from sglang.srt.environ import envs
+        from sglang.srt.runtime_context import get_server_args
+
+        dtype = mamba2_state_dtype(self)
+        if envs.SGLANG_MAMBA_CONV_DTYPE.is_set():
+            return dtype
+        try:
+            serving_dtype = get_server_args().dtype
+        except ValueError:  # not inside a server or engine (e.g. offline tools)
+            return dtype
+        return dataclasses.replace(dtype, conv=_get_and_verify_dtype(self, serving_dtype))
 
     # -------------------------------------------------------------- validation
     def validate(self) -> None:

@@ -21,8 +21,25 @@ def create_kda_backend(model_runner) -> MambaAttnBackendBase:
     if str(model_runner.device).startswith("cuda"):
         from sglang.srt.layers.attention.linear.kda_backend import KDAAttnBackend
 
+        _honor_ieee_fp32_dots()
         return KDAAttnBackend(model_runner)
     return TorchKDAAttnBackend(model_runner)
+
+
+def _honor_ieee_fp32_dots() -> None:
+    """TRITON_F32_DEFAULT=ieee is Triton's switch for exact fp32 dots, but SGLang's
+    chunked KDA pins TF32 in its triangular solve and WY update.
+    With the switch set they follow it, so fp32 serving can be checked against the
+    golden model at fp32 accuracy. Runs before the first KDA kernel compiles."""
+    import os
+
+    if os.environ.get("TRITON_F32_DEFAULT") != "ieee":
+        return
+    import triton.language as tl
+    from sglang.kernels.ops.attention.fla import chunk_intra, kda
+
+    kda.is_tf32_supported = False
+    chunk_intra.SOLVE_TRIL_DOT_PRECISION = tl.constexpr("ieee")
 
 
 class TorchKDAAttnBackend(MambaAttnBackendBase):

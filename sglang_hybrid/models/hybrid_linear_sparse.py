@@ -75,12 +75,34 @@ class HybridMoE(nn.Module):
         # Shared experts first: SGLang's Triton expert kernel overwrites its input in place.
         shared = self.shared_experts(x) if self.shared_experts is not None else None
         router_logits, _ = self.gate(x)
-        out = self.experts(x, self.topk(x, router_logits)) * self.routed_scaling_factor
+        topk_output = self.topk(x, router_logits)
+        if x.is_cuda and x.dtype == torch.float32:
+            out = _routed_experts_fp32(self.experts, x, topk_output)
+        else:
+            out = self.experts(x, topk_output)
+        out = out * self.routed_scaling_factor
         if shared is not None:
             out = out + shared
         if self.tp_size > 1:
             out = tensor_model_parallel_all_reduce(out)
         return out
+
+
+def _routed_experts_fp32(experts: FusedMoE, x: torch.Tensor, topk_output) -> torch.Tensor:
+    """fp32 serving on a GPU: SGLang's Triton expert kernel computes fp32 inputs in fp16
+    (its compute_type), so here every local expert runs densely in fp32, weighted by its
+    routing weight (zero where not chosen). Exact and graph-capturable; costs E/top-k
+    times the expert FLOPs, which is fine for the fp32 verification runs it serves."""
+    weights, ids, _ = topk_output
+    w13, w2 = experts.w13_weight, experts.w2_weight
+    if w13.shape[0] != experts.num_experts:
+        raise NotImplementedError("fp32 MoE on a GPU supports no expert parallelism; serve bf16 with EP")
+    route = x.new_zeros(x.shape[0], w13.shape[0]).scatter_add_(1, ids.long(), weights.to(x.dtype))
+    out = torch.zeros_like(x)
+    for e in range(w13.shape[0]):
+        gate, up = (x @ w13[e].t()).chunk(2, dim=-1)
+        out += ((nn.functional.silu(gate) * up) @ w2[e].t()) * route[:, e : e + 1]
+    return out
 
 
 class BlockAttnResidual:
