@@ -22,7 +22,11 @@ block of KP keys filled tile by tile; when the pending block is full, the 2*KP
 keys are sorted and the best KP kept. Cost per position: one K-row load, H dot
 products, and O(log^2 KP) amortised sort work. One program serves one row, so the
 rows of a prefill chunk each read their request's history; sharing K tiles across
-a block of rows (and the MXFP8 cache path) is the next step, measured on the GPU.
+a block of rows is the next step, measured on the GPU.
+
+MXFP8 (q and the index-K cache as e4m3 with e8m0 scales per group, kernels.mxfp8):
+both are dequantized on load; e4m3 x 2^e is exact in bf16, so the dot and the
+selection equal the reference run on the dequantized tensors.
 
 indexer_topk_torch is the plain-PyTorch reference of the same interface.
 """
@@ -33,10 +37,10 @@ import torch
 import triton
 import triton.language as tl
 
+from sglang_hybrid.kernels.mxfp8 import dequantize_mxfp8
 from sglang_hybrid.reference.ops import indexer_scores, topk_positions
 
-_LOW_MASK = 0xFFFFFFFF
-_POS_BASE = 0x7FFFFFFF
+_TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
 
 
 @triton.jit
@@ -49,12 +53,19 @@ def _encode(score, pos):
 
 
 @triton.jit
+def _e8m0(byte):
+    """e8m0 scale byte -> fp32 2^(byte - 127), from its bits (byte 0 is the subnormal 2^-127)."""
+    b = byte.to(tl.int32)
+    return tl.where(b == 0, 1 << 22, b << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _indexer_topk_kernel(
-    q_ptr, w_ptr, k_ptr, table_ptr, row_req_ptr, row_len_ptr, idx_ptr, score_ptr,
-    stride_qr, stride_qh, stride_wr, stride_k, stride_table, stride_out,
+    q_ptr, w_ptr, k_ptr, table_ptr, row_req_ptr, row_len_ptr, idx_ptr, score_ptr, qs_ptr, ks_ptr,
+    stride_qr, stride_qh, stride_wr, stride_k, stride_table, stride_out, stride_qsr, stride_qsh, stride_ks,
     H, TOPK,
     D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr, KP: tl.constexpr,
-    WRITE_SCORES: tl.constexpr,
+    WRITE_SCORES: tl.constexpr, GROUP: tl.constexpr, DOT_DTYPE: tl.constexpr,
 ):
     row = tl.program_id(0)
     req = tl.load(row_req_ptr + row).to(tl.int64)
@@ -63,6 +74,11 @@ def _indexer_topk_kernel(
     offs_d = tl.arange(0, D)
     q = tl.load(q_ptr + row * stride_qr + offs_h[:, None] * stride_qh + offs_d[None, :],
                 mask=offs_h[:, None] < H, other=0.0)
+    if GROUP:  # MXFP8: dequantize on load; e4m3 x 2^e is exact in bf16, so the dot stays exact
+        qs = tl.load(qs_ptr + row * stride_qsr + offs_h[:, None] * stride_qsh + (offs_d // GROUP)[None, :],
+                     mask=offs_h[:, None] < H, other=127)
+        q = q.to(tl.float32) * _e8m0(qs)
+    q = q.to(DOT_DTYPE)
     w = tl.load(w_ptr + row * stride_wr + offs_h, mask=offs_h < H, other=0.0).to(tl.float32)
 
     NONE: tl.constexpr = -9223372036854775807 - 1
@@ -75,7 +91,11 @@ def _indexer_topk_kernel(
             valid = pos < n
             slot = tl.load(table_ptr + req * stride_table + pos, mask=valid, other=0).to(tl.int64)
             k = tl.load(k_ptr + slot[:, None] * stride_k + offs_d[None, :], mask=valid[:, None], other=0.0)
-            logits = tl.dot(k.to(q.dtype), tl.trans(q))  # [BLOCK_S, BLOCK_H], fp32
+            if GROUP:
+                ks = tl.load(ks_ptr + slot[:, None] * stride_ks + (offs_d // GROUP)[None, :],
+                             mask=valid[:, None], other=127)
+                k = k.to(tl.float32) * _e8m0(ks)
+            logits = tl.dot(k.to(DOT_DTYPE), tl.trans(q))  # [BLOCK_S, BLOCK_H], fp32
             score = tl.sum(tl.maximum(logits, 0.0) * w[None, :], axis=1)
             key = tl.where(valid, _encode(score, pos), NONE)
             pending = tl.where(tiles[:, None] == j, key[None, :], pending)
@@ -105,6 +125,8 @@ def indexer_topk(
     topk: int,
     return_scores: bool = False,
     block_s: int = 64,
+    q_scale: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None,
 ):
     """Top-K history positions per query row.
 
@@ -112,12 +134,29 @@ def indexer_topk(
     index_k: [slots, D] index-K cache; req_to_token: [reqs, max_len] position -> slot;
     row_req: [R] request (row of req_to_token) of each query row; row_len: [R] how many
     leading positions the row sees (a causal prefill token at position p sees p + 1).
+    MXFP8 (kernels.mxfp8): q and index_k hold e4m3 data and q_scale [R, H, D // G],
+    k_scale [slots, D // G] their e8m0 scale bytes; the group size G follows from them.
     Returns positions [R, topk] int32 (-1 padded), and their fp32 scores if asked.
     """
     R, H, D = q.shape
     q, index_k = q.contiguous(), index_k.contiguous()
     if D < 16 or D & (D - 1):
         raise ValueError(f"index head dim must be a power of two >= 16, got {D}")
+    group = 0
+    if (q_scale is None) != (k_scale is None):
+        raise ValueError("MXFP8 needs both q_scale and k_scale")
+    if q_scale is not None:
+        group = D // q_scale.shape[-1]
+        if q_scale.shape != (R, H, D // group) or k_scale.shape != (index_k.shape[0], D // group):
+            raise ValueError(f"MXFP8 scales {tuple(q_scale.shape)} / {tuple(k_scale.shape)} do not match "
+                             f"q {tuple(q.shape)} / index_k {tuple(index_k.shape)}")
+        q_scale, k_scale = q_scale.contiguous(), k_scale.contiguous()
+    elif q.dtype not in _TL_DTYPES:
+        raise ValueError(f"q of dtype {q.dtype} needs its MXFP8 scales (q_scale, k_scale)")
+    else:
+        q_scale = k_scale = q  # unused placeholders
+    # Dequantized MXFP8 values are exact in bf16; the interpreter cannot run bf16, fp32 is exact too.
+    dot_dtype = (tl.bfloat16 if q.is_cuda else tl.float32) if group else _TL_DTYPES[q.dtype]
     kp = max(triton.next_power_of_2(topk), 16)
     block_s = min(block_s, kp)
     idx = torch.empty(R, topk, dtype=torch.int32, device=q.device)
@@ -125,16 +164,22 @@ def indexer_topk(
     if R:
         weights = weights.float()
         _indexer_topk_kernel[(R,)](
-            q, weights, index_k, req_to_token, row_req, row_len, idx, scores,
+            q, weights, index_k, req_to_token, row_req, row_len, idx, scores, q_scale, k_scale,
             q.stride(0), q.stride(1), weights.stride(0), index_k.stride(0), req_to_token.stride(0), idx.stride(0),
+            q_scale.stride(0), q_scale.stride(1), k_scale.stride(0),
             H, topk,
             D=D, BLOCK_H=max(triton.next_power_of_2(H), 16), BLOCK_S=block_s, KP=kp, WRITE_SCORES=return_scores,
+            GROUP=group, DOT_DTYPE=dot_dtype,
         )
     return (idx, scores) if return_scores else idx
 
 
-def indexer_topk_torch(q, weights, index_k, req_to_token, row_req, row_len, topk, return_scores=False):
+def indexer_topk_torch(q, weights, index_k, req_to_token, row_req, row_len, topk, return_scores=False,
+                       q_scale=None, k_scale=None):
     """Reference of indexer_topk: reference.ops scoring and Top-K over each row's gathered history."""
+    if q_scale is not None:
+        q = dequantize_mxfp8(q, q_scale, q.shape[-1] // q_scale.shape[-1])
+        index_k = dequantize_mxfp8(index_k, k_scale, index_k.shape[-1] // k_scale.shape[-1])
     R = q.shape[0]
     idx = torch.full((R, topk), -1, dtype=torch.int32, device=q.device)
     scores = torch.full((R, topk), float("-inf"), dtype=torch.float32, device=q.device)

@@ -46,8 +46,8 @@ def dequantize_mxfp8(data: torch.Tensor, scale: torch.Tensor, group: int = 32) -
 
 
 @triton.jit
-def _quantize_mxfp8_kernel(x_ptr, data_ptr, scale_ptr, R, NG, GROUP: tl.constexpr, BLOCK_R: tl.constexpr,
-                           BLOCK_G: tl.constexpr):
+def _quantize_mxfp8_kernel(x_ptr, dst_ptr, data_ptr, scale_ptr, R, NG, GROUP: tl.constexpr, BLOCK_R: tl.constexpr,
+                           BLOCK_G: tl.constexpr, SCATTER: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     groups = tl.program_id(1) * BLOCK_G + tl.arange(0, BLOCK_G)
     cols = tl.arange(0, GROUP)
@@ -61,20 +61,47 @@ def _quantize_mxfp8_kernel(x_ptr, data_ptr, scale_ptr, R, NG, GROUP: tl.constexp
     e = tl.minimum(tl.maximum(e, -127), 127)
     e = tl.where(amax > 0, e, -127)
     inv = ((127 - e) << 23).to(tl.float32, bitcast=True)  # 2^-e from its bits (e <= 121 for finite x)
-    tl.store(data_ptr + offs, (x * inv[:, :, None]).to(tl.float8e4nv), mask=rg_mask[:, :, None])
-    tl.store(scale_ptr + rows[:, None] * NG + groups[None, :], (e + 127).to(tl.uint8), mask=rg_mask)
+    out_rows = rows.to(tl.int64)
+    if SCATTER:  # row r goes to cache slot dst[r]
+        out_rows = tl.load(dst_ptr + rows, mask=rows < R, other=0).to(tl.int64)
+    out = (out_rows[:, None, None] * NG + groups[None, :, None]) * GROUP + cols[None, None, :]
+    tl.store(data_ptr + out, (x * inv[:, :, None]).to(tl.float8e4nv), mask=rg_mask[:, :, None])
+    tl.store(scale_ptr + out_rows[:, None] * NG + groups[None, :], (e + 127).to(tl.uint8), mask=rg_mask)
+
+
+def _launch(x2, dst, data, scale, group):
+    R, NG = x2.shape[0], x2.shape[1] // group
+    if R:
+        block_r = 16
+        block_g = min(triton.next_power_of_2(NG), max(1, 1024 // group))
+        grid = (triton.cdiv(R, block_r), triton.cdiv(NG, block_g))
+        _quantize_mxfp8_kernel[grid](x2, x2 if dst is None else dst, data, scale, R, NG, GROUP=group,
+                                     BLOCK_R=block_r, BLOCK_G=block_g, SCATTER=dst is not None)
 
 
 def quantize_mxfp8(x: torch.Tensor, group: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton twin of quantize_mxfp8_torch (same outputs, bit for bit)."""
     _check(x, group)
     x2 = x.reshape(-1, x.shape[-1]).contiguous()
-    R, NG = x2.shape[0], x2.shape[1] // group
     data = torch.empty(x2.shape, dtype=FP8, device=x.device)
-    scale = torch.empty(R, NG, dtype=torch.uint8, device=x.device)
-    if R:
-        block_r = 16
-        block_g = min(triton.next_power_of_2(NG), max(1, 1024 // group))
-        grid = (triton.cdiv(R, block_r), triton.cdiv(NG, block_g))
-        _quantize_mxfp8_kernel[grid](x2, data, scale, R, NG, GROUP=group, BLOCK_R=block_r, BLOCK_G=block_g)
-    return data.reshape(x.shape), scale.reshape(*x.shape[:-1], NG)
+    scale = torch.empty(x2.shape[0], x2.shape[1] // group, dtype=torch.uint8, device=x.device)
+    _launch(x2, None, data, scale, group)
+    return data.reshape(x.shape), scale.reshape(*x.shape[:-1], x.shape[-1] // group)
+
+
+def store_mxfp8(x: torch.Tensor, loc: torch.Tensor, data_cache: torch.Tensor, scale_cache: torch.Tensor) -> None:
+    """Quantize rows x [T, D] and write them to cache slots loc [T] in one launch:
+    data_cache [slots, D] e4m3, scale_cache [slots, D // G] (the group G follows from it)."""
+    group = x.shape[-1] // scale_cache.shape[-1]
+    _check(x, group)
+    if data_cache.dtype != FP8 or scale_cache.dtype != torch.uint8 or data_cache.shape[-1] != x.shape[-1]:
+        raise ValueError(f"MXFP8 cache must be e4m3 [slots, {x.shape[-1]}] + uint8 scales, got "
+                         f"{data_cache.dtype} {tuple(data_cache.shape)} + {scale_cache.dtype}")
+    _launch(x.contiguous(), loc.contiguous(), data_cache, scale_cache, group)
+
+
+def store_mxfp8_torch(x, loc, data_cache, scale_cache) -> None:
+    """Reference of store_mxfp8."""
+    data, scale = quantize_mxfp8_torch(x, x.shape[-1] // scale_cache.shape[-1])
+    data_cache[loc.long()] = data
+    scale_cache[loc.long()] = scale

@@ -16,6 +16,7 @@ pytestmark = pytest.mark.usefixtures("interpreter")
 
 _module = import_kernels("sglang_hybrid.kernels.indexer_topk")
 indexer_topk, indexer_topk_torch = _module.indexer_topk, _module.indexer_topk_torch
+quantize_mxfp8_torch = import_kernels("sglang_hybrid.kernels.mxfp8").quantize_mxfp8_torch
 
 
 def _case(row_lens, reqs, H, D, max_len, integer, dtype, seed=0):
@@ -71,6 +72,46 @@ def test_random_inputs_match_reference(row_lens, reqs, H, D, topk):
     tie = torch.cat([gaps < 1e-4, torch.zeros(len(row_lens), 1, dtype=torch.bool)], 1)
     tie = tie | torch.cat([torch.zeros(len(row_lens), 1, dtype=torch.bool), tie[:, :-1]], 1)
     assert torch.equal(idx.cpu()[~tie], ref_idx.cpu()[~tie])
+
+
+def _mxfp8(args, group):
+    """The case's q and index-K quantized by the reference MXFP8 quantizer (kernels.mxfp8)."""
+    q, w, k, *rest = args
+    (qd, qs), (kd, ks) = quantize_mxfp8_torch(q, group), quantize_mxfp8_torch(k, group)
+    return (qd, w, kd, *rest), dict(q_scale=qs, k_scale=ks)
+
+
+@pytest.mark.parametrize("row_lens, reqs, H, D, topk", SHAPES)
+def test_mxfp8_exact_inputs_match_reference_including_ties(row_lens, reqs, H, D, topk):
+    """Small integers quantize exactly to MXFP8, so scores and the tie rule stay exact."""
+    group = 32 if D >= 32 else 16  # the default group, or two groups of a 16-wide head
+    args, scales = _mxfp8(_case(row_lens, reqs, H, D, max(max(row_lens), 1), integer=True,
+                                dtype=torch.float32), group)
+    idx, scores = indexer_topk(*args, topk, return_scores=True, block_s=16, **scales)
+    ref_idx, ref_scores = indexer_topk_torch(*args, topk, return_scores=True, **scales)
+    assert torch.equal(idx.cpu(), ref_idx.cpu())
+    assert torch.equal(scores.cpu(), ref_scores.cpu())
+
+
+@pytest.mark.parametrize("row_lens, reqs, H, D, topk", SHAPES[2:5])
+def test_mxfp8_random_inputs_match_reference(row_lens, reqs, H, D, topk):
+    args, scales = _mxfp8(_case(row_lens, reqs, H, D, max(row_lens), integer=False, dtype=torch.float32,
+                                seed=1), 16)
+    idx, scores = indexer_topk(*args, topk, return_scores=True, block_s=16, **scales)
+    ref_idx, ref_scores = indexer_topk_torch(*args, topk, return_scores=True, **scales)
+    torch.testing.assert_close(scores.cpu(), ref_scores.cpu(), rtol=1e-5, atol=1e-5)
+    gaps = (ref_scores[:, :-1] - ref_scores[:, 1:]).abs().cpu()
+    tie = torch.cat([gaps < 1e-4, torch.zeros(len(row_lens), 1, dtype=torch.bool)], 1)
+    tie = tie | torch.cat([torch.zeros(len(row_lens), 1, dtype=torch.bool), tie[:, :-1]], 1)
+    assert torch.equal(idx.cpu()[~tie], ref_idx.cpu()[~tie])
+
+
+def test_mxfp8_scales_must_come_in_pairs_and_match():
+    args, scales = _mxfp8(_case([4], [0], 2, 32, 4, integer=True, dtype=torch.float32), 32)
+    with pytest.raises(ValueError, match="both"):
+        indexer_topk(*args, 4, q_scale=scales["q_scale"])
+    with pytest.raises(ValueError, match="do not match"):
+        indexer_topk(*args, 4, q_scale=scales["q_scale"], k_scale=scales["k_scale"][:, :0])
 
 
 def test_rejects_unsupported_head_dim():

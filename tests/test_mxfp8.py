@@ -89,3 +89,24 @@ def test_kernel_scales_on_edge_values():
 def test_bad_group_sizes_are_named(bad, message):
     with pytest.raises(ValueError, match=message):
         quantize_mxfp8_torch(torch.zeros(2, 40), bad)
+
+
+@pytest.mark.usefixtures("interpreter")
+@pytest.mark.parametrize("T, D, group", [(1, 32, 32), (13, 64, 16), (40, 128, 32), (0, 64, 32)])
+def test_store_into_paged_cache_matches_reference(T, D, group):
+    """Quantize-and-scatter into cache slots; untouched slots stay as they were."""
+    g = torch.Generator().manual_seed(T)
+    x = _inputs((T, D), group, torch.float32, g).to(DEVICE)
+    slots = 3 * T + 5
+    loc = torch.randperm(slots, generator=g)[:T].to(DEVICE)
+    caches = [(torch.full((slots, D), 0x11, dtype=torch.uint8).view(torch.float8_e4m3fn).to(DEVICE),
+               torch.full((slots, D // group), 7, dtype=torch.uint8, device=DEVICE)) for _ in range(2)]
+    _module.store_mxfp8(x, loc, *caches[0])
+    _module.store_mxfp8_torch(x, loc, *caches[1])
+    assert torch.equal(caches[0][0].view(torch.uint8), caches[1][0].view(torch.uint8))
+    assert torch.equal(caches[0][1], caches[1][1])
+
+
+def test_store_rejects_a_cache_of_the_wrong_kind():
+    with pytest.raises(ValueError, match="MXFP8 cache"):
+        _module.store_mxfp8(torch.zeros(2, 32), torch.arange(2), torch.zeros(4, 32), torch.zeros(4, 1, dtype=torch.uint8))

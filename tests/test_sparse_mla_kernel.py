@@ -11,6 +11,7 @@ pytestmark = pytest.mark.usefixtures("interpreter")
 
 _module = import_kernels("sglang_hybrid.kernels.sparse_mla")
 sparse_mla, sparse_mla_torch = _module.sparse_mla, _module.sparse_mla_torch
+quantize_kv_fp8_torch = import_kernels("sglang_hybrid.kernels.fp8_kv").quantize_kv_fp8_torch
 
 
 # (history length of each row's request, selected count per row, topk, heads, rank, rope)
@@ -46,6 +47,36 @@ def test_sparse_mla_matches_reference(hist, counts, topk, H, rank, rope, dtype):
     torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol)
     if not any(counts):
         assert not out.any()
+
+
+FP8_SHAPES = [(hist, counts, topk, H, rank, rope) for hist, counts, topk, H, rank, rope in SHAPES if rank >= 32]
+
+
+@pytest.mark.parametrize("hist, counts, topk, H, rank, rope", FP8_SHAPES)
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES)
+def test_sparse_mla_fp8_latent_matches_reference(hist, counts, topk, H, rank, rope, dtype):
+    """FP8 latent (tile 16 of the latent width; rope kept in the model dtype), quantized by
+    the reference quantizer, dequantized inside the kernel."""
+    tol = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}[dtype]
+    q, kv, table, rows, selected = _case(hist, counts, topk, H, rank, rope, dtype)
+    data, kv_scale = quantize_kv_fp8_torch(kv[:, :rank].float(), 16)
+    kv_rope = kv[:, rank:].contiguous()
+    scale = (rank + rope) ** -0.5
+    out = sparse_mla(q, data, table, rows, selected, rank, scale, block_n=16, kv_scale=kv_scale, kv_rope=kv_rope)
+    ref = sparse_mla_torch(q, data, table, rows, selected, rank, scale, kv_scale=kv_scale, kv_rope=kv_rope)
+    torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol)
+    # The FP8 latent only rounds the cache: the result stays near the unquantized one.
+    exact = sparse_mla_torch(q, kv, table, rows, selected, rank, scale).float()
+    assert (out.float() - exact).abs().max() <= 0.1 * exact.abs().max() + tol
+
+
+def test_fp8_latent_needs_scales_and_rope_together():
+    q, kv, table, rows, selected = _case([10], [4], 4, 2, 32, 8, torch.float32)
+    data, kv_scale = quantize_kv_fp8_torch(kv[:, :32], 16)
+    with pytest.raises(ValueError, match="both"):
+        sparse_mla(q, data, table, rows, selected, 32, 0.1, kv_scale=kv_scale)
+    with pytest.raises(ValueError, match="do not match"):
+        sparse_mla(q, data, table, rows, selected, 32, 0.1, kv_scale=kv_scale, kv_rope=kv[:, :3])
 
 
 def test_only_selected_positions_matter():
