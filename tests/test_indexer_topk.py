@@ -61,17 +61,21 @@ def test_exact_inputs_match_reference_including_ties(row_lens, reqs, H, D, topk,
     assert torch.equal(scores.cpu(), ref_scores.cpu())
 
 
+def _assert_match_up_to_near_ties(idx, scores, ref_idx, ref_scores):
+    """Scores to rounding; positions equal except where rounding reorders a near tie."""
+    torch.testing.assert_close(scores.cpu(), ref_scores.cpu(), rtol=1e-5, atol=1e-5)
+    gaps = (ref_scores[:, :-1] - ref_scores[:, 1:]).abs().cpu()
+    tie = torch.cat([gaps < 1e-4, torch.zeros(len(gaps), 1, dtype=torch.bool)], 1)
+    tie = tie | torch.cat([torch.zeros(len(gaps), 1, dtype=torch.bool), tie[:, :-1]], 1)
+    assert torch.equal(idx.cpu()[~tie], ref_idx.cpu()[~tie])
+
+
 @pytest.mark.parametrize("row_lens, reqs, H, D, topk", SHAPES[2:])
 def test_random_inputs_match_reference(row_lens, reqs, H, D, topk):
     args = _case(row_lens, reqs, H, D, max(row_lens), integer=False, dtype=torch.float32, seed=1)
     idx, scores = indexer_topk(*args, topk, return_scores=True, block_s=16)
     ref_idx, ref_scores = indexer_topk_torch(*args, topk, return_scores=True)
-    torch.testing.assert_close(scores.cpu(), ref_scores.cpu(), rtol=1e-5, atol=1e-5)
-    # Positions agree except where rounding reorders a near tie.
-    gaps = (ref_scores[:, :-1] - ref_scores[:, 1:]).abs().cpu()
-    tie = torch.cat([gaps < 1e-4, torch.zeros(len(row_lens), 1, dtype=torch.bool)], 1)
-    tie = tie | torch.cat([torch.zeros(len(row_lens), 1, dtype=torch.bool), tie[:, :-1]], 1)
-    assert torch.equal(idx.cpu()[~tie], ref_idx.cpu()[~tie])
+    _assert_match_up_to_near_ties(idx, scores, ref_idx, ref_scores)
 
 
 def _mxfp8(args, group):
@@ -99,11 +103,7 @@ def test_mxfp8_random_inputs_match_reference(row_lens, reqs, H, D, topk):
                                 seed=1), 16)
     idx, scores = indexer_topk(*args, topk, return_scores=True, block_s=16, **scales)
     ref_idx, ref_scores = indexer_topk_torch(*args, topk, return_scores=True, **scales)
-    torch.testing.assert_close(scores.cpu(), ref_scores.cpu(), rtol=1e-5, atol=1e-5)
-    gaps = (ref_scores[:, :-1] - ref_scores[:, 1:]).abs().cpu()
-    tie = torch.cat([gaps < 1e-4, torch.zeros(len(row_lens), 1, dtype=torch.bool)], 1)
-    tie = tie | torch.cat([torch.zeros(len(row_lens), 1, dtype=torch.bool), tie[:, :-1]], 1)
-    assert torch.equal(idx.cpu()[~tie], ref_idx.cpu()[~tie])
+    _assert_match_up_to_near_ties(idx, scores, ref_idx, ref_scores)
 
 
 def test_mxfp8_scales_must_come_in_pairs_and_match():
