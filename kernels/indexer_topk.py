@@ -146,8 +146,9 @@ def indexer_topk(
     if (q_scale is None) != (k_scale is None):
         raise ValueError("MXFP8 needs both q_scale and k_scale")
     if q_scale is not None:
-        group = D // q_scale.shape[-1]
-        if q_scale.shape != (R, H, D // group) or k_scale.shape != (index_k.shape[0], D // group):
+        groups = q_scale.shape[-1]
+        group = D // max(groups, 1)
+        if not groups or D % groups or q_scale.shape != (R, H, groups) or k_scale.shape != (index_k.shape[0], groups):
             raise ValueError(f"MXFP8 scales {tuple(q_scale.shape)} / {tuple(k_scale.shape)} do not match "
                              f"q {tuple(q.shape)} / index_k {tuple(index_k.shape)}")
         q_scale, k_scale = q_scale.contiguous(), k_scale.contiguous()
