@@ -20,9 +20,10 @@ low word. Merging is a sort of those keys, so the selection is deterministic.
 The running Top-K is a sorted buffer of KP = next_pow2(K) keys plus a pending
 block of KP keys filled tile by tile; when the pending block is full, the 2*KP
 keys are sorted and the best KP kept. Cost per position: one K-row load, H dot
-products, and O(log^2 KP) amortised sort work. One program serves one row, so the
-rows of a prefill chunk each read their request's history; sharing K tiles across
-a block of rows is the next step, measured on the GPU.
+products, and O(log^2 KP) amortised sort work. A program serves up to block_m
+consecutive rows of one request (the rows of a prefill chunk or of a verify step):
+each K tile is loaded once for all of them, one dot gives every row's logits, and
+the rows keep their running Top-Ks side by side.
 
 MXFP8 (q and the index-K cache as e4m3 with e8m0 scales per group, kernels.mxfp8):
 both are dequantized on load; e4m3 x 2^e is exact in bf16, so the dot and the
@@ -61,58 +62,79 @@ def _e8m0(byte):
 
 @triton.jit
 def _indexer_topk_kernel(
-    q_ptr, w_ptr, k_ptr, table_ptr, row_req_ptr, row_len_ptr, idx_ptr, score_ptr, qs_ptr, ks_ptr,
+    q_ptr, w_ptr, k_ptr, table_ptr, row_req_ptr, row_len_ptr, block_start_ptr, block_end_ptr,
+    idx_ptr, score_ptr, qs_ptr, ks_ptr,
     stride_qr, stride_qh, stride_wr, stride_k, stride_table, stride_out, stride_qsr, stride_qsh, stride_ks,
     H, TOPK,
-    D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr, KP: tl.constexpr,
+    D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr, KP: tl.constexpr,
     WRITE_SCORES: tl.constexpr, GROUP: tl.constexpr, DOT_DTYPE: tl.constexpr,
 ):
-    row = tl.program_id(0)
-    req = tl.load(row_req_ptr + row).to(tl.int64)
-    n = tl.load(row_len_ptr + row).to(tl.int64)
+    # One program: up to BLOCK_M consecutive rows of one request, sharing every K tile.
+    rows = tl.load(block_start_ptr + tl.program_id(0)) + tl.arange(0, BLOCK_M)
+    live = rows < tl.load(block_end_ptr + tl.program_id(0))
+    req = tl.load(row_req_ptr + rows, mask=live, other=0).to(tl.int64)
+    req = tl.max(tl.where(live, req, -1), axis=0)  # the block's request
+    n = tl.load(row_len_ptr + rows, mask=live, other=0).to(tl.int64)  # [BLOCK_M]
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, D)
-    q = tl.load(q_ptr + row * stride_qr + offs_h[:, None] * stride_qh + offs_d[None, :],
-                mask=offs_h[:, None] < H, other=0.0)
+    qmask = live[:, None, None] & (offs_h[None, :, None] < H)
+    q = tl.load(q_ptr + rows[:, None, None] * stride_qr + offs_h[None, :, None] * stride_qh + offs_d[None, None, :],
+                mask=qmask, other=0.0)
     if GROUP:  # MXFP8: dequantize on load; e4m3 x 2^e is exact in bf16, so the dot stays exact
-        qs = tl.load(qs_ptr + row * stride_qsr + offs_h[:, None] * stride_qsh + (offs_d // GROUP)[None, :],
-                     mask=offs_h[:, None] < H, other=127)
+        qs = tl.load(qs_ptr + rows[:, None, None] * stride_qsr + offs_h[None, :, None] * stride_qsh
+                     + (offs_d // GROUP)[None, None, :], mask=qmask, other=127)
         q = q.to(tl.float32) * _e8m0(qs)
-    q = q.to(DOT_DTYPE)
-    w = tl.load(w_ptr + row * stride_wr + offs_h, mask=offs_h < H, other=0.0).to(tl.float32)
+    q = tl.reshape(q.to(DOT_DTYPE), [BLOCK_M * BLOCK_H, D])
+    w = tl.load(w_ptr + rows[:, None] * stride_wr + offs_h[None, :], mask=live[:, None] & (offs_h[None, :] < H),
+                other=0.0).to(tl.float32)  # [BLOCK_M, BLOCK_H]
 
     NONE: tl.constexpr = -9223372036854775807 - 1
-    best = tl.full([KP], NONE, tl.int64)
+    best = tl.full([BLOCK_M, KP], NONE, tl.int64)
     tiles = tl.arange(0, KP // BLOCK_S)
-    for c0 in range(0, n, KP):
-        pending = tl.full([KP // BLOCK_S, BLOCK_S], NONE, tl.int64)
+    for c0 in range(0, tl.max(n, axis=0), KP):
+        pending = tl.full([BLOCK_M, KP // BLOCK_S, BLOCK_S], NONE, tl.int64)
         for j in range(0, KP // BLOCK_S):
             pos = c0 + j * BLOCK_S + tl.arange(0, BLOCK_S).to(tl.int64)
-            valid = pos < n
-            slot = tl.load(table_ptr + req * stride_table + pos, mask=valid, other=0).to(tl.int64)
-            k = tl.load(k_ptr + slot[:, None] * stride_k + offs_d[None, :], mask=valid[:, None], other=0.0)
+            seen = pos < tl.max(n, axis=0)
+            slot = tl.load(table_ptr + req * stride_table + pos, mask=seen, other=0).to(tl.int64)
+            k = tl.load(k_ptr + slot[:, None] * stride_k + offs_d[None, :], mask=seen[:, None], other=0.0)
             if GROUP:
                 ks = tl.load(ks_ptr + slot[:, None] * stride_ks + (offs_d // GROUP)[None, :],
-                             mask=valid[:, None], other=127)
+                             mask=seen[:, None], other=127)
                 k = k.to(tl.float32) * _e8m0(ks)
-            logits = tl.dot(k.to(DOT_DTYPE), tl.trans(q))  # [BLOCK_S, BLOCK_H], fp32
-            score = tl.sum(tl.maximum(logits, 0.0) * w[None, :], axis=1)
-            key = tl.where(valid, _encode(score, pos), NONE)
-            pending = tl.where(tiles[:, None] == j, key[None, :], pending)
-        merged = tl.sort(tl.cat(best, tl.reshape(pending, [KP]), can_reorder=True), descending=True)
-        halves = tl.reshape(merged, [2, KP])
-        best = tl.sum(tl.where(tl.arange(0, 2)[:, None] == 0, halves, 0), axis=0)
+            logits = tl.reshape(tl.dot(k.to(DOT_DTYPE), tl.trans(q)), [BLOCK_S, BLOCK_M, BLOCK_H])  # fp32
+            score = tl.trans(tl.sum(tl.maximum(logits, 0.0) * w[None, :, :], axis=2))  # [BLOCK_M, BLOCK_S]
+            key = tl.where(pos[None, :] < n[:, None], _encode(score, pos[None, :]), NONE)
+            pending = tl.where(tiles[None, :, None] == j, key[:, None, :], pending)
+        both = tl.reshape(tl.join(best, tl.reshape(pending, [BLOCK_M, KP])), [BLOCK_M, 2 * KP])
+        halves = tl.reshape(tl.sort(both, dim=1, descending=True), [BLOCK_M, 2, KP])
+        best = tl.sum(tl.where(tl.arange(0, 2)[None, :, None] == 0, halves, 0), axis=1)
 
     offs_k = tl.arange(0, KP)
     found = best != NONE
     pos = tl.where(found, 0x7FFFFFFF - (best & 0xFFFFFFFF), -1)
-    out_mask = offs_k < TOPK
-    tl.store(idx_ptr + row * stride_out + offs_k, pos.to(tl.int32), mask=out_mask)
+    out_mask = live[:, None] & (offs_k[None, :] < TOPK)
+    out = rows[:, None] * stride_out + offs_k[None, :]
+    tl.store(idx_ptr + out, pos.to(tl.int32), mask=out_mask)
     if WRITE_SCORES:
         ordered = (best >> 32).to(tl.int32)
         bits = tl.where(ordered >= 0, ordered, ordered ^ 0x7FFFFFFF)
         score = tl.where(found, bits.to(tl.float32, bitcast=True), float("-inf"))
-        tl.store(score_ptr + row * stride_out + offs_k, score, mask=out_mask)
+        tl.store(score_ptr + out, score, mask=out_mask)
+
+
+def _row_blocks(row_req: torch.Tensor, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Blocks of at most block_m consecutive rows of one request: (starts, ends)."""
+    R = row_req.shape[0]
+    idx = torch.arange(R, device=row_req.device)
+    if block_m == 1:
+        return idx, idx + 1
+    new_run = torch.ones(R, dtype=torch.bool, device=row_req.device)
+    new_run[1:] = row_req[1:] != row_req[:-1]
+    run_start = torch.cummax(torch.where(new_run, idx, 0), 0).values
+    starts = torch.nonzero(new_run | ((idx - run_start) % block_m == 0)).flatten()
+    ends = torch.cat([starts[1:], starts.new_tensor([R])])
+    return starts, ends
 
 
 def indexer_topk(
@@ -125,6 +147,7 @@ def indexer_topk(
     topk: int,
     return_scores: bool = False,
     block_s: int = 64,
+    block_m: int = 1,
     q_scale: torch.Tensor | None = None,
     k_scale: torch.Tensor | None = None,
 ):
@@ -136,6 +159,8 @@ def indexer_topk(
     leading positions the row sees (a causal prefill token at position p sees p + 1).
     MXFP8 (kernels.mxfp8): q and index_k hold e4m3 data and q_scale [R, H, D // G],
     k_scale [slots, D // G] their e8m0 scale bytes; the group size G follows from them.
+    block_m > 1 lets up to block_m consecutive rows of one request (prefill, verify) share
+    each K tile; decode rows (one per request) want 1.
     Returns positions [R, topk] int32 (-1 padded), and their fp32 scores if asked.
     """
     R, H, D = q.shape
@@ -160,16 +185,20 @@ def indexer_topk(
     dot_dtype = (tl.bfloat16 if q.is_cuda else tl.float32) if group else _TL_DTYPES[q.dtype]
     kp = max(triton.next_power_of_2(topk), 16)
     block_s = min(block_s, kp)
+    if block_m & (block_m - 1) or block_m < 1:
+        raise ValueError(f"block_m must be a power of two, got {block_m}")
     idx = torch.empty(R, topk, dtype=torch.int32, device=q.device)
     scores = torch.empty(R, topk, dtype=torch.float32, device=q.device) if return_scores else idx
     if R:
         weights = weights.float()
-        _indexer_topk_kernel[(R,)](
-            q, weights, index_k, req_to_token, row_req, row_len, idx, scores, q_scale, k_scale,
+        starts, ends = _row_blocks(row_req, block_m)
+        block_h = max(triton.next_power_of_2(H), 16 // block_m)  # the dot needs N = block_m * block_h >= 16
+        _indexer_topk_kernel[(starts.shape[0],)](
+            q, weights, index_k, req_to_token, row_req, row_len, starts, ends, idx, scores, q_scale, k_scale,
             q.stride(0), q.stride(1), weights.stride(0), index_k.stride(0), req_to_token.stride(0), idx.stride(0),
             q_scale.stride(0), q_scale.stride(1), k_scale.stride(0),
             H, topk,
-            D=D, BLOCK_H=max(triton.next_power_of_2(H), 16), BLOCK_S=block_s, KP=kp, WRITE_SCORES=return_scores,
+            D=D, BLOCK_M=block_m, BLOCK_H=block_h, BLOCK_S=block_s, KP=kp, WRITE_SCORES=return_scores,
             GROUP=group, DOT_DTYPE=dot_dtype,
         )
     return (idx, scores) if return_scores else idx

@@ -47,15 +47,18 @@ SHAPES = [
     ([200, 7, 31, 150], [2, 0, 2, 1], 5, 32, 32),  # ragged batch, decode/verify/prefill rows mixed
     ([90], [0], 16, 16, 24),                  # topk not a power of two
     ([300, 299], [1, 1], 8, 16, 64),          # several merges of the running Top-K (K = 64)
+    (list(range(3, 10)), [0] * 7, 4, 16, 4),  # a causal prefill chunk: 7 rows of one request
 ]
 
 
 @pytest.mark.parametrize("row_lens, reqs, H, D, topk", SHAPES)
 @pytest.mark.parametrize("dtype", KERNEL_DTYPES)
-def test_exact_inputs_match_reference_including_ties(row_lens, reqs, H, D, topk, dtype):
-    """Small integers: exact scores, many exact ties (relu zeros, repeated values)."""
+@pytest.mark.parametrize("block_m", [1, 4])
+def test_exact_inputs_match_reference_including_ties(row_lens, reqs, H, D, topk, dtype, block_m):
+    """Small integers: exact scores, many exact ties (relu zeros, repeated values); rows
+    one per program, and in blocks of up to 4 rows of a request sharing K tiles."""
     args = _case(row_lens, reqs, H, D, max(max(row_lens), 1), integer=True, dtype=dtype)
-    idx, scores = indexer_topk(*args, topk, return_scores=True, block_s=16)
+    idx, scores = indexer_topk(*args, topk, return_scores=True, block_s=16, block_m=block_m)
     ref_idx, ref_scores = indexer_topk_torch(*args, topk, return_scores=True)
     assert torch.equal(idx.cpu(), ref_idx.cpu())
     assert torch.equal(scores.cpu(), ref_scores.cpu())
@@ -91,7 +94,7 @@ def test_mxfp8_exact_inputs_match_reference_including_ties(row_lens, reqs, H, D,
     group = 32 if D >= 32 else 16  # the default group, or two groups of a 16-wide head
     args, scales = _mxfp8(_case(row_lens, reqs, H, D, max(max(row_lens), 1), integer=True,
                                 dtype=torch.float32), group)
-    idx, scores = indexer_topk(*args, topk, return_scores=True, block_s=16, **scales)
+    idx, scores = indexer_topk(*args, topk, return_scores=True, block_s=16, block_m=4, **scales)
     ref_idx, ref_scores = indexer_topk_torch(*args, topk, return_scores=True, **scales)
     assert torch.equal(idx.cpu(), ref_idx.cpu())
     assert torch.equal(scores.cpu(), ref_scores.cpu())
@@ -112,6 +115,12 @@ def test_mxfp8_scales_must_come_in_pairs_and_match():
         indexer_topk(*args, 4, q_scale=scales["q_scale"])
     with pytest.raises(ValueError, match="do not match"):
         indexer_topk(*args, 4, q_scale=scales["q_scale"], k_scale=scales["k_scale"][:, :0])
+
+
+def test_rejects_a_row_block_that_is_not_a_power_of_two():
+    args = _case([4], [0], 2, 16, 4, integer=True, dtype=torch.float32)
+    with pytest.raises(ValueError, match="block_m"):
+        indexer_topk(*args, 4, block_m=3)
 
 
 def test_rejects_unsupported_head_dim():
