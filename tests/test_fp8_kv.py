@@ -6,22 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from triton_interpreter import DEVICE, import_kernels, interpreter  # noqa: F401 (fixture)
+from triton_interpreter import DEVICE, e4m3_exact_inputs, import_kernels, interpreter  # noqa: F401 (fixture)
 
 _module = import_kernels("sglang_hybrid.kernels.fp8_kv")
-
-
-def _latents(T, rank, tile, g):
-    """On a GPU: random latents. On CPU the interpreter's e4m3 conversion is not
-    round-to-nearest-even, so each tile is e4m3 values (one of them 448) times a power of
-    two: quantizing them involves no rounding and checks everything else bit for bit."""
-    if DEVICE == "cuda":
-        return torch.randn(T, rank, generator=g) * torch.logspace(-2, 2, T)[:, None]
-    codes = torch.randint(0, 0x7F, (T, rank), generator=g, dtype=torch.uint8)
-    v = (codes.view(torch.float8_e4m3fn).float() * (torch.randint(0, 2, (T, rank), generator=g) * 2 - 1))
-    v = v.unflatten(-1, (-1, tile))
-    v[..., 0] = 448.0
-    return (v * torch.exp2(torch.randint(-12, 6, v.shape[:-1], generator=g).float()).unsqueeze(-1)).flatten(-2)
 
 
 def test_reference_error_bound_and_zero_tiles():
@@ -40,7 +27,7 @@ def test_reference_error_bound_and_zero_tiles():
 @pytest.mark.parametrize("T, rank, tile", [(1, 128, 128), (17, 256, 128), (9, 64, 32), (0, 128, 128)])
 def test_store_matches_reference_bit_for_bit(T, rank, tile):
     g = torch.Generator().manual_seed(T)
-    c = _latents(T, rank, tile, g).to(DEVICE)
+    c = e4m3_exact_inputs((T, rank), tile, g).to(DEVICE)
     slots = 2 * T + 3
     loc = torch.randperm(slots, generator=g)[:T].to(DEVICE)
     caches = [(torch.full((slots, rank), 0x22, dtype=torch.uint8).view(torch.float8_e4m3fn).to(DEVICE),

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from triton_interpreter import DEVICE, KERNEL_DTYPES, import_kernels, interpreter  # noqa: F401 (fixture)
+from triton_interpreter import DEVICE, KERNEL_DTYPES, e4m3_exact_inputs, import_kernels, interpreter  # noqa: F401 (fixture)
 
 _module = import_kernels("sglang_hybrid.kernels.mxfp8")
 quantize_mxfp8, quantize_mxfp8_torch, dequantize_mxfp8 = (
@@ -48,27 +48,12 @@ def test_reference_scale_rule_and_error_bound():
     assert (err <= torch.maximum(x.abs() * 2.0**-4, s * 2.0**-10)).all()
 
 
-def _inputs(shape, group, dtype, g):
-    """On a GPU: random floats over six decades (rounding is the hardware's RNE). On CPU
-    the interpreter's fp32 -> e4m3 conversion does not round to nearest even, so the
-    inputs are e4m3 values times a power of two per group, one of them in (224, 448]:
-    quantizing them involves no rounding and checks everything else bit for bit."""
-    if DEVICE == "cuda":
-        return torch.randn(shape, generator=g) * torch.logspace(-3, 3, shape[-1])
-    codes = torch.randint(0, 0x7F, shape, generator=g, dtype=torch.uint8)  # finite, both signs below
-    v = codes.view(torch.float8_e4m3fn).float() * (torch.randint(0, 2, shape, generator=g) * 2 - 1)
-    v = v.unflatten(-1, (-1, group))
-    v[..., 0] = 448.0  # pins the group's exponent to k
-    k = torch.randint(-10, 5, v.shape[:-1], generator=g).float()
-    return (v * torch.exp2(k).unsqueeze(-1)).flatten(-2)
-
-
 @pytest.mark.usefixtures("interpreter")
 @pytest.mark.parametrize("shape, group", [((10, 32), 32), ((3, 4, 128), 32), ((5, 64), 16), ((1, 256), 128),
                                           ((0, 64), 32), ((37, 96), 32)])
 @pytest.mark.parametrize("dtype", KERNEL_DTYPES)
 def test_kernel_matches_reference_bit_for_bit(shape, group, dtype):
-    x = _inputs(shape, group, dtype, torch.Generator().manual_seed(0)).to(dtype).to(DEVICE)
+    x = e4m3_exact_inputs(shape, group, torch.Generator().manual_seed(0)).to(dtype).to(DEVICE)
     data, scale = quantize_mxfp8(x, group)
     ref_data, ref_scale = quantize_mxfp8_torch(x, group)
     assert torch.equal(scale, ref_scale)
@@ -96,7 +81,7 @@ def test_bad_group_sizes_are_named(bad, message):
 def test_store_into_paged_cache_matches_reference(T, D, group):
     """Quantize-and-scatter into cache slots; untouched slots stay as they were."""
     g = torch.Generator().manual_seed(T)
-    x = _inputs((T, D), group, torch.float32, g).to(DEVICE)
+    x = e4m3_exact_inputs((T, D), group, g).to(DEVICE)
     slots = 3 * T + 5
     loc = torch.randperm(slots, generator=g)[:T].to(DEVICE)
     caches = [(torch.full((slots, D), 0x11, dtype=torch.uint8).view(torch.float8_e4m3fn).to(DEVICE),

@@ -53,3 +53,22 @@ def import_kernels(name: str):
 def interpreter(monkeypatch):
     for key, value in _ENV.items():
         monkeypatch.setenv(key, value)
+
+
+def e4m3_exact_inputs(shape, block: int, g: torch.Generator) -> torch.Tensor:
+    """Inputs for FP8 (e4m3) quantizer tests, blocks of `block` along the last dim.
+
+    On a GPU: random floats over six decades (rounding is the hardware's RNE). The
+    interpreter's fp32 -> e4m3 conversion does not round to nearest even (it truncates
+    and drops the carry into the exponent), so on CPU each block is e4m3 values times a
+    power of two, one of them 448: quantizing them needs no rounding, which checks
+    everything else bit for bit. Values fit fp16 as well.
+    """
+    if DEVICE == "cuda":
+        return torch.randn(shape, generator=g) * torch.logspace(-3, 3, shape[-1])
+    codes = torch.randint(0, 0x7F, shape, generator=g, dtype=torch.uint8)  # finite; signs below
+    v = codes.view(torch.float8_e4m3fn).float() * (torch.randint(0, 2, shape, generator=g) * 2 - 1)
+    v = v.unflatten(-1, (-1, block))
+    v[..., 0] = 448.0  # pins the block's scale to the power of two
+    k = torch.randint(-10, 5, v.shape[:-1], generator=g).float()
+    return (v * torch.exp2(k).unsqueeze(-1)).flatten(-2)
