@@ -91,11 +91,12 @@ def _indexer_topk_kernel(
     NONE: tl.constexpr = -9223372036854775807 - 1
     best = tl.full([BLOCK_M, KP], NONE, tl.int64)
     tiles = tl.arange(0, KP // BLOCK_S)
-    for c0 in range(0, tl.max(n, axis=0), KP):
+    n_max = tl.max(n, axis=0)  # the block's longest history
+    for c0 in range(0, n_max, KP):
         pending = tl.full([BLOCK_M, KP // BLOCK_S, BLOCK_S], NONE, tl.int64)
         for j in range(0, KP // BLOCK_S):
             pos = c0 + j * BLOCK_S + tl.arange(0, BLOCK_S).to(tl.int64)
-            seen = pos < tl.max(n, axis=0)
+            seen = pos < n_max
             slot = tl.load(table_ptr + req * stride_table + pos, mask=seen, other=0).to(tl.int64)
             k = tl.load(k_ptr + slot[:, None] * stride_k + offs_d[None, :], mask=seen[:, None], other=0.0)
             if GROUP:
