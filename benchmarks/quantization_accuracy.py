@@ -27,7 +27,7 @@ import torch
 from sglang_hybrid.checkpoints.maker import make_checkpoint
 from sglang_hybrid.kernels.fp8_kv import dequantize_kv_fp8, quantize_kv_fp8_torch
 from sglang_hybrid.kernels.mxfp8 import dequantize_mxfp8, quantize_mxfp8_torch
-from sglang_hybrid.reference import load, ops
+from sglang_hybrid.reference import load
 from sglang_hybrid.reference.model import MLACache
 
 
@@ -72,15 +72,12 @@ def main() -> None:
     mode = {"mxfp8": False, "fp8_kv": False, "measure": False}
     captured, layer_err = [], {}
 
-    def index_select(p, x, q_latent, positions, index_keys):
-        Hi, D = c.index_n_heads, c.index_head_dim
-        q = golden._index_rotate((q_latent @ golden.w[p + "indexer.wq_b.weight"].T).reshape(-1, Hi, D), positions)
-        weights = (x @ golden.w[p + "indexer.weights_proj.weight"].T) * (Hi**-0.5 * D**-0.5)
+    def index_select(q, weights, positions, index_keys):
         if mode["measure"]:
-            captured.append((p, q, weights, index_keys, positions))
+            captured.append((q, weights, index_keys, positions))
         if mode["mxfp8"]:
-            return ops.topk_positions(ops.indexer_scores(mx(q), weights, mx(index_keys), positions), K)
-        return select(p, x, q_latent, positions, index_keys)
+            return select(mx(q), weights, positions, mx(index_keys))
+        return select(q, weights, positions, index_keys)
 
     def sparse_mla(i, x, positions, lc):
         if mode["fp8_kv"] and not isinstance(lc.latent, _FP8Latents):
@@ -111,9 +108,9 @@ def main() -> None:
                          "argmax_agreement": (logp.argmax(-1) == ref_logp.argmax(-1)).float().mean().item()}
 
     overlaps = {"bf16_vs_fp32": [], "mxfp8_vs_fp32": [], "mxfp8_vs_bf16": []}
-    for p, q, w, k, pos in captured:
+    for q, w, k, pos in captured:
         rows = pos + 1 > K  # rows with a real choice to make
-        sel = {name: ops.topk_positions(ops.indexer_scores(qq[rows], w[rows], kk, pos[rows]), K)
+        sel = {name: select(qq[rows], w[rows], pos[rows], kk)
                for name, (qq, kk) in {"fp32": (q, k), "bf16": (q.bfloat16().float(), k.bfloat16().float()),
                                       "mxfp8": (mx(q), mx(k))}.items()}
         for name in overlaps:

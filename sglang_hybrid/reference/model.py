@@ -193,7 +193,8 @@ class GoldenModel:
         k_rope = torch.cat(lc.rope_key)[:, None, :].expand(S, H, rope)
         k = torch.cat([k_nope, k_rope], dim=-1)
 
-        selected = self._index_select(p, x, q_latent, positions, torch.cat(lc.index_key))
+        q_index, index_weights = self._index_query(p, x, q_latent, positions)
+        selected = self._index_select(q_index, index_weights, positions, torch.cat(lc.index_key))
         o = ops.sparse_attention(q, k, v, selected, scale=(nope + rope) ** -0.5)
         return o.reshape(T, H * vdim) @ w[p + "o_proj.weight"].T
 
@@ -211,13 +212,17 @@ class GoldenModel:
         t = torch.cat([ops.rope_neox(t[..., :r], positions, c.rope_theta), t[..., r:]], dim=-1)
         return t @ self.hadamard if self.hadamard is not None else t
 
-    def _index_select(self, p, x, q_latent, positions, index_keys):
+    def _index_query(self, p, x, q_latent, positions):
+        """The indexer's queries [T, Hi, D] and head weights [T, Hi] (scales folded in)."""
         c, w = self.config, self.w
         T, Hi, D = x.shape[0], c.index_n_heads, c.index_head_dim
         q = self._index_rotate((q_latent @ w[p + "indexer.wq_b.weight"].T).reshape(T, Hi, D), positions)
         weights = (x @ w[p + "indexer.weights_proj.weight"].T) * (Hi**-0.5 * D**-0.5)
+        return q, weights
+
+    def _index_select(self, q, weights, positions, index_keys):
         scores = ops.indexer_scores(q, weights, index_keys, positions)
-        return ops.topk_positions(scores, c.index_topk)
+        return ops.topk_positions(scores, self.config.index_topk)
 
     # --------------------------------------------------------------------- FFN
     def _ffn(self, i, x):
