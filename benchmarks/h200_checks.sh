@@ -21,7 +21,7 @@ run() {  # run NAME SECONDS pytest-args...
 
 part() {
   case "$1" in
-    tiny-kernels) run tiny-kernels 200 tests/test_indexer_topk.py tests/test_sparse_mla_kernel.py tests/test_mxfp8.py tests/test_fp8_kv.py tests/test_gpu.py -k "not bf16_statistically and not bench_preset" ;;
+    tiny-kernels) run tiny-kernels 280 tests/test_indexer_topk.py tests/test_sparse_mla_kernel.py tests/test_mxfp8.py tests/test_fp8_kv.py tests/test_gpu.py -k "not bf16_statistically and not bench_preset" ;;
     tiny-e2e) run tiny-e2e 300 tests/test_engine.py tests/test_server.py --preset tiny ;;
     tiny-bf16) run tiny-bf16 150 tests/test_gpu.py::test_bf16_statistically_tracks_golden --preset tiny ;;
     small-e2e) run small-e2e 240 tests/test_server.py --preset small ;;

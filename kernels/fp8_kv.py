@@ -34,7 +34,9 @@ def quantize_kv_fp8_torch(c: torch.Tensor, tile: int = 128) -> tuple[torch.Tenso
     _check(c, tile)
     g = c.float().unflatten(-1, (-1, tile))
     amax = g.abs().amax(-1)
-    scale = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+    # A tensor divisor: CUDA torch turns division by a Python scalar into a multiply by
+    # its reciprocal, which is not the IEEE quotient the kernel computes.
+    scale = torch.where(amax > 0, amax / torch.full_like(amax, E4M3_MAX), torch.ones_like(amax))
     return (g / scale.unsqueeze(-1)).to(FP8).flatten(-2), scale
 
 

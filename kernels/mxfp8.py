@@ -33,7 +33,9 @@ def quantize_mxfp8_torch(x: torch.Tensor, group: int = 32) -> tuple[torch.Tensor
     _check(x, group)
     g = x.float().unflatten(-1, (-1, group))
     amax = g.abs().amax(-1).double()
-    e = torch.ceil(torch.log2(amax / E4M3_MAX)).clamp(-E8M0_BIAS, E8M0_BIAS)
+    # Exact in double with a tensor divisor (CUDA torch multiplies by the reciprocal of a
+    # Python scalar, which would push amax = 448 * 2^k just past 2^k).
+    e = torch.ceil(torch.log2(amax / torch.full_like(amax, E4M3_MAX))).clamp(-E8M0_BIAS, E8M0_BIAS)
     e = torch.where(amax > 0, e, torch.full_like(e, -E8M0_BIAS))
     data = (g / torch.exp2(e).float().unsqueeze(-1)).to(FP8).flatten(-2)
     return data, (e + E8M0_BIAS).to(torch.uint8)

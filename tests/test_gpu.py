@@ -115,7 +115,8 @@ def test_sglang_chunk_kda_fp32_matches_reference(lens, gates):
     state = torch.zeros(N + 1, H, K, K, device="cuda")  # pool layout [slot, H, V, K]
     slots = torch.arange(1, N + 1, device="cuda", dtype=torch.int32)
     cu = torch.tensor([0] + lens, device="cuda").cumsum(0).to(torch.int32)
-    out = chunk_kda(q=q, k=k, v=v, g=f, beta=beta, initial_state=state, initial_state_indices=slots,
+    # chunk_kda writes its output into v's storage, so it gets a copy.
+    out = chunk_kda(q=q, k=k, v=v.clone(), g=f, beta=beta, initial_state=state, initial_state_indices=slots,
                     use_qk_l2norm_in_kernel=True, cu_seqlens=cu, A_log=A_log, dt_bias=dt_bias, lower_bound=None)
     out = out[0] if isinstance(out, tuple) else out
     errs = []
@@ -128,3 +129,38 @@ def test_sglang_chunk_kda_fp32_matches_reference(lens, gates):
         errs.append(((state[i + 1].transpose(-1, -2) - final).norm() / final.norm()).item())
     print(f"chunk_kda fp32 vs reference, {gates} gates, relative error per request (out, state): {errs}")
     assert max(errs) < tol
+
+
+def test_sglang_kda_conv_and_gated_norm_fp32_match_reference():
+    """The other two GPU pieces of a KDA mixer: SGLang's Triton short conv (ragged batch,
+    one request continuing from a cached window) and fla's fused gated RMSNorm."""
+    from sglang.kernels.ops.mamba.causal_conv1d_triton import causal_conv1d_fn
+
+    from sglang_hybrid.layers.kda import GatedRMSNorm
+    from sglang_hybrid.reference import ops
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    D, W, lens = 96, 4, [1, 5, 70]
+    x = torch.randn(sum(lens), D, device="cuda", generator=g)
+    weight = torch.randn(D, W, device="cuda", generator=g) * 0.5
+    windows = torch.randn(len(lens) + 1, D, W - 1, device="cuda", generator=g)  # pool layout [slot, D, W-1]
+    cached = torch.tensor([False, True, True], device="cuda")
+    want_windows = windows.clone()
+    cu = torch.tensor([0] + lens, device="cuda").cumsum(0).to(torch.int32)
+    out = causal_conv1d_fn(x.T, weight, None, conv_states=windows, query_start_loc=cu, seq_lens_cpu=lens,
+                           cache_indices=torch.arange(1, len(lens) + 1, device="cuda", dtype=torch.int32),
+                           has_initial_state=cached, activation="silu").T
+    for i, n in enumerate(lens):
+        s, e = int(cu[i]), int(cu[i + 1])
+        start = want_windows[i + 1].T if cached[i] else torch.zeros(W - 1, D, device="cuda")
+        want, window = ops.short_causal_conv(x[s:e], start, weight)
+        torch.testing.assert_close(out[s:e], want, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(windows[i + 1].T, window, rtol=0, atol=0)
+
+    norm = GatedRMSNorm(32, eps=1e-6, activation="sigmoid").cuda()
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(32, device="cuda", generator=g) + 0.5)
+    y = torch.randn(50, 4, 32, device="cuda", generator=g) * 0.05  # small activations, where eps matters
+    gate = torch.randn(50, 4, 32, device="cuda", generator=g)
+    want = ops.rms_norm(y, norm.weight, 1e-6) * gate.sigmoid()
+    torch.testing.assert_close(norm(y, gate), want, rtol=1e-5, atol=1e-6)
