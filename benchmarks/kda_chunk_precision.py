@@ -7,8 +7,7 @@ relative error against the recurrence of sglang_hybrid.reference.ops computed in
 fp64. Gates as in tests/test_gpu.py: "mild" (decay ~1e-3 per token) and
 "checkpoint" (the checkpoint maker's Mamba-style init).
 
-    TRITON_F32_DEFAULT=ieee python benchmarks/kda_chunk_precision.py   # exact fp32 dots
-    python benchmarks/kda_chunk_precision.py                           # Triton's default (TF32)
+    python benchmarks/kda_chunk_precision.py
 """
 
 from __future__ import annotations
@@ -37,9 +36,6 @@ def inputs(T: int, gates: str, H: int = 2, K: int = 32):
 def main() -> None:
     from sglang.kernels.ops.attention.fla.kda import chunk_kda, fused_recurrent_kda
 
-    from sglang_hybrid.layers.kda_backend import _honor_ieee_fp32_dots
-
-    _honor_ieee_fp32_dots()
     try:
         from fla.ops.kda import chunk_kda as fla_chunk_kda
     except Exception as e:  # fla-core is optional on the GPU host

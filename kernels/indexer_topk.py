@@ -39,7 +39,7 @@ import triton
 import triton.language as tl
 
 from sglang_hybrid.kernels.mxfp8 import dequantize_mxfp8
-from sglang_hybrid.reference.ops import indexer_scores, topk_positions
+from sglang_hybrid.reference.ops import topk_positions
 
 _TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
 
@@ -206,20 +206,28 @@ def indexer_topk(
 
 
 def indexer_topk_torch(q, weights, index_k, req_to_token, row_req, row_len, topk, return_scores=False,
-                       q_scale=None, k_scale=None):
-    """Reference of indexer_topk: reference.ops scoring and Top-K over each row's gathered history."""
+                       q_scale=None, k_scale=None, score_bytes: int = 256 << 20):
+    """Reference of indexer_topk: reference.ops scoring and Top-K (reference.ops.topk_positions)
+    over each row's history, gathered for blocks of rows padded to the block's longest
+    history; score_bytes bounds one block's fp32 logits [rows, heads, history]."""
     if q_scale is not None:
         q = dequantize_mxfp8(q, q_scale, q.shape[-1] // q_scale.shape[-1])
         index_k = dequantize_mxfp8(index_k, k_scale, index_k.shape[-1] // k_scale.shape[-1])
-    R = q.shape[0]
+    R, H = q.shape[:2]
     idx = torch.full((R, topk), -1, dtype=torch.int32, device=q.device)
     scores = torch.full((R, topk), float("-inf"), dtype=torch.float32, device=q.device)
-    for r in range(R):
-        n = int(row_len[r])
-        keys = index_k[req_to_token[int(row_req[r]), :n].long()].float()
-        s = indexer_scores(q[r : r + 1].float(), weights[r : r + 1].float(), keys, torch.tensor([n - 1], device=keys.device))
-        sel = topk_positions(s, topk)[0]
-        idx[r] = sel.to(torch.int32)
-        valid = sel >= 0
-        scores[r, valid] = s[0, sel[valid]]
+    longest = int(row_len.max()) if R else 0
+    block = max(1, score_bytes // (4 * H * max(longest, 1)))
+    for r0 in range(0, R, block):
+        rows = slice(r0, min(R, r0 + block))
+        L = int(row_len[rows].max())
+        if L == 0:
+            continue
+        keys = index_k[req_to_token[row_req[rows].long(), :L].long()].float()  # [B, L, D]
+        logits = torch.einsum("bhd,bld->bhl", q[rows].float(), keys).relu_()
+        s = torch.einsum("bh,bhl->bl", weights[rows].float(), logits)
+        s = s.masked_fill(torch.arange(L, device=s.device)[None, :] >= row_len[rows, None], float("-inf"))
+        sel = topk_positions(s, topk)
+        idx[rows] = sel.to(torch.int32)
+        scores[rows] = torch.where(sel >= 0, torch.gather(s, 1, sel.clamp(min=0)), float("-inf"))
     return (idx, scores) if return_scores else idx

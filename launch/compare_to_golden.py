@@ -8,8 +8,6 @@ own caches on the same tokens.
 
     python launch/compare_to_golden.py --preset tiny --prompt-lens 12,40 --dtype bfloat16 --decode-steps 24
     python launch/compare_to_golden.py --checkpoint DIR ...
-
---pad-decode makes eager decode score the padded history a captured CUDA graph uses.
 """
 
 from __future__ import annotations
@@ -27,7 +25,6 @@ def main() -> None:
     ap.add_argument("--prompt-lens", default="12,40")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--decode-steps", type=int, default=16)
-    ap.add_argument("--pad-decode", action="store_true")
     args = ap.parse_args()
 
     from sglang_hybrid import cpu_support
@@ -51,10 +48,6 @@ def main() -> None:
     model_runner, _ = load_model(sa, PortArgs.init_new(sa), 0, 0)
     runner = getattr(model_runner, "torch_runner", model_runner)
     model = runner.model
-    if args.pad_decode:
-        from sglang_hybrid.layers.sparse_mla_backend import SparseMLAAttnBackend
-
-        SparseMLAAttnBackend.init_forward_metadata = SparseMLAAttnBackend.init_forward_metadata_out_graph
 
     seen = {}
 

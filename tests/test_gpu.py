@@ -85,50 +85,63 @@ def test_bf16_statistically_tracks_golden(checkpoint, golden, preset):
     assert stats["mean_logprob_error"] <= BF16_MAX_MEAN_LOGPROB_ERROR
 
 
-# Per-token log decay of the gate: "mild" (|g| ~ 1e-3) must be exact at fp32; "checkpoint"
-# draws A_log and dt_bias as the checkpoint maker does (Mamba init: per-token decays up to
-# ~1.6), where chunk_kda's intra-chunk rebasing is known to lose accuracy (benchmarks/
-# gpu_correctness_h200.md), held to fla's own KDA test tolerance.
-GATES = {"mild": (0.0, 0.0, 1e-5), "checkpoint": (math.log(1.0), math.log(16.0), 5e-3)}
+# Per-token log decay of the gate: "mild" (|g| ~ 1e-3) and "checkpoint" (the checkpoint
+# maker's Mamba-style init: A_log in [0, log 16], dt in [1e-3, 0.1], so |g| up to ~1.6).
+GATES = {"mild": (0.0, 0.0), "checkpoint": (0.0, math.log(16.0))}
+# chunk_kda rounds its off-diagonal intra-chunk products to bf16 by design: ~2e-3 measured
+# on the H200 (benchmarks/kda_chunk_precision.py); the fp32 extend path is the recurrence.
+CHUNK_KDA_FP32_TOL, RECURRENT_FP32_TOL = 5e-3, 1e-5
 
 
 @pytest.mark.parametrize("gates", GATES)
 @pytest.mark.parametrize("lens", [[200], [1, 63, 64, 130]])
-def test_sglang_chunk_kda_fp32_matches_reference(lens, gates):
-    """SGLang's chunked KDA (what the server runs for prefill on a GPU), fp32 with IEEE
-    dots, against the golden recurrence: outputs and final states of a ragged batch."""
+def test_kda_extend_kernels_fp32_against_reference(lens, gates):
+    """Both GPU KDA prefill paths on a ragged batch in pool layout, against the golden
+    recurrence: SGLang's chunk_kda (what bf16 serving runs) and the fp32 serving path."""
     from sglang.kernels.ops.attention.fla.kda import chunk_kda
 
-    from sglang_hybrid.layers.kda_backend import _honor_ieee_fp32_dots
+    from sglang_hybrid.layers.kda_backend import _recurrent_fp32_extend_kernel
     from sglang_hybrid.reference import ops
 
-    _honor_ieee_fp32_dots()
     g = torch.Generator(device="cuda").manual_seed(0)
     H, K, T, N = 2, 32, sum(lens), len(lens)
     q, k, v, f = (torch.randn(1, T, H, K, device="cuda", generator=g) for _ in range(4))
     beta = torch.rand(1, T, H, device="cuda", generator=g)
-    a_lo, a_hi, tol = GATES[gates]
+    a_lo, a_hi = GATES[gates]
     A_log = torch.rand(H, device="cuda", generator=g) * (a_hi - a_lo) + a_lo
     dt = torch.exp(torch.rand(H * K, device="cuda", generator=g) * math.log(100) + math.log(1e-3))
     dt_bias = dt + torch.log(-torch.expm1(-dt))  # softplus^-1(dt)
-    f = f * 0.1 if gates == "checkpoint" else f * 0 - 6.0  # mild: softplus(-6 + dt_bias) ~ 1e-3 * dt
-    state = torch.zeros(N + 1, H, K, K, device="cuda")  # pool layout [slot, H, V, K]
-    slots = torch.arange(1, N + 1, device="cuda", dtype=torch.int32)
+    f = f * 0.1 if gates == "checkpoint" else f * 0 - 6.0  # mild: softplus(-6 + dt_bias) ~ 2.5e-3 * dt
+    slots = torch.arange(N, 0, -1, device="cuda", dtype=torch.int32)  # pool slots out of order
     cu = torch.tensor([0] + lens, device="cuda").cumsum(0).to(torch.int32)
-    # chunk_kda writes its output into v's storage, so it gets a copy.
-    out = chunk_kda(q=q, k=k, v=v.clone(), g=f, beta=beta, initial_state=state, initial_state_indices=slots,
-                    use_qk_l2norm_in_kernel=True, cu_seqlens=cu, A_log=A_log, dt_bias=dt_bias, lower_bound=None)
-    out = out[0] if isinstance(out, tuple) else out
-    errs = []
+    want = []
     for i in range(N):
         s, e = int(cu[i]), int(cu[i + 1])
         gate = ops.kda_gate(f[0, s:e], A_log, dt_bias)
-        want, final = ops.kda_recurrence(ops.l2norm(q[0, s:e]) * K**-0.5, ops.l2norm(k[0, s:e]), v[0, s:e], gate,
-                                         beta[0, s:e], torch.zeros(H, K, K, device="cuda"))
-        errs.append(((out[0, s:e] - want).norm() / want.norm()).item())
-        errs.append(((state[i + 1].transpose(-1, -2) - final).norm() / final.norm()).item())
-    print(f"chunk_kda fp32 vs reference, {gates} gates, relative error per request (out, state): {errs}")
-    assert max(errs) < tol
+        want.append(ops.kda_recurrence(ops.l2norm(q[0, s:e]) * K**-0.5, ops.l2norm(k[0, s:e]), v[0, s:e], gate,
+                                       beta[0, s:e], torch.zeros(H, K, K, device="cuda")))
+
+    def errors(run):
+        state = torch.zeros(N + 1, H, K, K, device="cuda")  # pool layout [slot, H, V, K]
+        out = run(state)  # kernels may write into v, so each gets a copy
+        out = out[0] if isinstance(out, tuple) else out
+        errs = []
+        for i, (o, final) in enumerate(want):
+            s, e = int(cu[i]), int(cu[i + 1])
+            errs.append(((out[0, s:e] - o).norm() / o.norm()).item())
+            errs.append(((state[int(slots[i])].transpose(-1, -2) - final).norm() / final.norm()).item())
+        return errs
+
+    chunk = errors(lambda state: chunk_kda(
+        q=q, k=k, v=v.clone(), g=f, beta=beta, initial_state=state, initial_state_indices=slots,
+        use_qk_l2norm_in_kernel=True, cu_seqlens=cu, A_log=A_log, dt_bias=dt_bias, lower_bound=None))
+    recurrent = errors(lambda state: _recurrent_fp32_extend_kernel().extend(
+        q, k, v.clone(), f, beta, ssm_states=state, cache_indices=slots, query_start_loc=cu,
+        A_log=A_log.reshape(1, 1, H, 1), dt_bias=dt_bias))
+    print(f"KDA extend fp32 vs reference, {gates} gates, relative error per request (out, state): "
+          f"chunk_kda {chunk}, fp32 path {recurrent}")
+    assert max(chunk) < CHUNK_KDA_FP32_TOL
+    assert max(recurrent) < RECURRENT_FP32_TOL
 
 
 def test_sglang_kda_conv_and_gated_norm_fp32_match_reference():

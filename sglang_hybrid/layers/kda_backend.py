@@ -21,25 +21,40 @@ def create_kda_backend(model_runner) -> MambaAttnBackendBase:
     if str(model_runner.device).startswith("cuda"):
         from sglang.srt.layers.attention.linear.kda_backend import KDAAttnBackend
 
-        _honor_ieee_fp32_dots()
-        return KDAAttnBackend(model_runner)
+        backend = KDAAttnBackend(model_runner)
+        if model_runner.model_config.dtype == torch.float32:
+            backend.kernel_dispatcher.extend_kernel = _recurrent_fp32_extend_kernel()
+        return backend
     return TorchKDAAttnBackend(model_runner)
 
 
-def _honor_ieee_fp32_dots() -> None:
-    """TRITON_F32_DEFAULT=ieee is Triton's switch for exact fp32 dots, but SGLang's
-    chunked KDA pins TF32 in its triangular solve and WY update.
-    With the switch set they follow it, so fp32 serving can be checked against the
-    golden model at fp32 accuracy. Runs before the first KDA kernel compiles."""
-    import os
+def _recurrent_fp32_extend_kernel():
+    """fp32 serving is the exact mode (the one checked token for token against the golden
+    model). SGLang's chunk_kda is not fp32-exact by design: it rounds the off-diagonal
+    intra-chunk products to bf16 and solves in TF32, about 2e-3 relative error on the
+    H200 at any gate strength, while its token-by-token fused_recurrent_kda is within
+    1e-6 (benchmarks/kda_chunk_precision.py). So fp32 prefill runs the recurrence; bf16
+    keeps the chunked kernel. The radix cache's per-chunk snapshots (extra_buffer) need
+    chunk_kda's chunk states and still take it."""
+    from sglang.kernels.ops.attention.fla.kda import fused_recurrent_kda
+    from sglang.srt.layers.attention.linear.kernels.kda_triton import TritonKDAKernel
 
-    if os.environ.get("TRITON_F32_DEFAULT") != "ieee":
-        return
-    import triton.language as tl
-    from sglang.kernels.ops.attention.fla import chunk_intra, kda
+    class RecurrentFp32KDAKernel(TritonKDAKernel):
+        def extend(self, q, k, v, g, beta, *, ssm_states, cache_indices, query_start_loc, A_log=None,
+                   dt_bias=None, lower_bound=None, return_intermediate_states=False, **kwargs):
+            if return_intermediate_states or lower_bound is not None or A_log is None:
+                return super().extend(q, k, v, g, beta, ssm_states=ssm_states, cache_indices=cache_indices,
+                                      query_start_loc=query_start_loc, A_log=A_log, dt_bias=dt_bias,
+                                      lower_bound=lower_bound, return_intermediate_states=return_intermediate_states,
+                                      **kwargs)
+            gate = ops.kda_gate(g[0].float(), A_log, dt_bias).unsqueeze(0)
+            state = ssm_states[cache_indices]  # [N, H, V, K], a copy the kernel updates in place
+            out, state = fused_recurrent_kda(q=q, k=k, v=v, g=gate, beta=beta, initial_state=state,
+                                             use_qk_l2norm_in_kernel=True, cu_seqlens=query_start_loc)
+            ssm_states[cache_indices] = state
+            return out
 
-    kda.is_tf32_supported = False
-    chunk_intra.SOLVE_TRIL_DOT_PRECISION = tl.constexpr("ieee")
+    return RecurrentFp32KDAKernel()
 
 
 class TorchKDAAttnBackend(MambaAttnBackendBase):
