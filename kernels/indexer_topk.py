@@ -210,9 +210,9 @@ def indexer_topk_torch(q, weights, index_k, req_to_token, row_req, row_len, topk
     """Reference of indexer_topk: reference.ops scoring and Top-K (reference.ops.topk_positions)
     over each row's history, gathered for blocks of rows padded to the block's longest
     history; score_bytes bounds one block's fp32 logits [rows, heads, history]."""
-    if q_scale is not None:
-        q = dequantize_mxfp8(q, q_scale, q.shape[-1] // q_scale.shape[-1])
-        index_k = dequantize_mxfp8(index_k, k_scale, index_k.shape[-1] // k_scale.shape[-1])
+    group = q.shape[-1] // q_scale.shape[-1] if q_scale is not None else 0
+    if group:
+        q = dequantize_mxfp8(q, q_scale, group)
     R, H = q.shape[:2]
     idx = torch.full((R, topk), -1, dtype=torch.int32, device=q.device)
     scores = torch.full((R, topk), float("-inf"), dtype=torch.float32, device=q.device)
@@ -223,7 +223,8 @@ def indexer_topk_torch(q, weights, index_k, req_to_token, row_req, row_len, topk
         L = int(row_len[rows].max())
         if L == 0:
             continue
-        keys = index_k[req_to_token[row_req[rows].long(), :L].long()].float()  # [B, L, D]
+        slots = req_to_token[row_req[rows].long(), :L].long()
+        keys = dequantize_mxfp8(index_k[slots], k_scale[slots], group) if group else index_k[slots].float()  # [B, L, D]
         logits = torch.einsum("bhd,bld->bhl", q[rows].float(), keys).relu_()
         s = torch.einsum("bh,bhl->bl", weights[rows].float(), logits)
         s = s.masked_fill(torch.arange(L, device=s.device)[None, :] >= row_len[rows, None], float("-inf"))

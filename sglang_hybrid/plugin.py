@@ -130,6 +130,7 @@ def _build_kv_pool(original, configurator, *, max_total_num_tokens, req_to_token
         enable_memory_saver=memory_saver,
         index_head_dim=mc.hf_config.index_head_dim,
         index_dtype=configurator.model_dtype,
+        index_group=mc.hf_config.index_mxfp8_group,
     )
     return HybridLinearKVPool(
         size=max_total_num_tokens,
@@ -154,7 +155,9 @@ def _cell_size_with_index_k(original, pool_configurator, kvc, num_layers):
     cell = original(pool_configurator, kvc, num_layers)
     hf = kvc.model_config.hf_config
     if _is_ours(hf):
-        cell += num_layers * hf.index_head_dim * kvc.model_dtype.itemsize
+        group = hf.index_mxfp8_group
+        cell += num_layers * (hf.index_head_dim + hf.index_head_dim // group if group
+                              else hf.index_head_dim * kvc.model_dtype.itemsize)
     return cell
 
 

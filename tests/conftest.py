@@ -134,8 +134,8 @@ class Tolerance:
 
 # CPU serves fp32 with the same math as the golden model: identical tokens.
 CPU_TOLERANCE = Tolerance(logprob=1e-3, margin=0.0)
-# GPU serves fp32 through other kernels (Triton KDA chunks, cuBLAS, Triton MoE): fp32
-# rounding in a different order, amplified through depth.
+# GPU serves fp32 through other kernels (the fused Triton indexer and sparse MLA, cuBLAS,
+# SGLang's recurrent KDA): fp32 rounding in a different order, amplified through depth.
 GPU_FP32_TOLERANCE = Tolerance(logprob=1e-2, margin=2e-2)
 
 

@@ -54,6 +54,10 @@ PRESETS: dict[str, dict] = {
         index_head_dim=32,
         index_topk=16,
         index_rope_head_dim=8,
+        # The exact golden tests serve the index cache unquantized; the MXFP8 tier (two
+        # groups per row here) is tested with its own bound (tests/test_engine.py).
+        index_cache_dtype="auto",
+        index_quant_group_size=16,
         linear_attn_config=dict(_layers(6, [3, 6]), num_heads=4, head_dim=16, short_conv_kernel_size=4),
         attn_res_block_size=2,
         num_experts=8,
@@ -84,6 +88,7 @@ PRESETS: dict[str, dict] = {
         index_head_dim=128,
         index_topk=256,
         index_rope_head_dim=64,
+        index_cache_dtype="auto",  # as tiny; bench keeps the family default, MXFP8
         linear_attn_config=dict(_layers(12, [4, 8, 12]), num_heads=8, head_dim=128, short_conv_kernel_size=4),
         attn_res_block_size=4,
         num_experts=16,

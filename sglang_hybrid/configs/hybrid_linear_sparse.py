@@ -87,6 +87,9 @@ class HybridLinearSparseConfig(PretrainedConfig):
         index_topk: int | None = None,
         index_rope_head_dim: int = 0,
         index_use_hadamard: bool = True,
+        # Index Q/K cache tier: "mxfp8" (e4m3 + one e8m0 scale per group) or "auto" (serving dtype).
+        index_cache_dtype: str = "mxfp8",
+        index_quant_group_size: int = 32,
         # KDA.
         linear_attn_config: dict | None = None,
         # Block attention residuals (None: plain pre-norm residual stream).
@@ -139,6 +142,8 @@ class HybridLinearSparseConfig(PretrainedConfig):
         self.index_topk = index_topk
         self.index_rope_head_dim = index_rope_head_dim
         self.index_use_hadamard = index_use_hadamard
+        self.index_cache_dtype = index_cache_dtype
+        self.index_quant_group_size = index_quant_group_size
 
         self.linear_attn_config = linear_attn_config
         self.attn_res_block_size = attn_res_block_size
@@ -168,6 +173,11 @@ class HybridLinearSparseConfig(PretrainedConfig):
         self.validate()
 
     # ------------------------------------------------------------------ layout
+    @property
+    def index_mxfp8_group(self) -> int | None:
+        """The MXFP8 group size of the index Q/K cache; None when it keeps the serving dtype."""
+        return self.index_quant_group_size if self.index_cache_dtype == "mxfp8" else None
+
     def is_kda_layer(self, layer_idx: int) -> bool:
         return (layer_idx + 1) in self.linear_attn_config["kda_layers"]
 
@@ -298,6 +308,13 @@ class HybridLinearSparseConfig(PretrainedConfig):
         d = self.index_head_dim
         if self.index_use_hadamard and d & (d - 1):
             raise ConfigError("index_head_dim", f"= {d} must be a power of two when index_use_hadamard is true")
+        if self.index_cache_dtype not in ("auto", "mxfp8"):
+            raise ConfigError("index_cache_dtype", f"must be 'auto' or 'mxfp8', got {self.index_cache_dtype!r}")
+        if self.index_cache_dtype == "mxfp8":
+            gs = self.index_quant_group_size
+            if not isinstance(gs, int) or gs <= 0 or gs & (gs - 1) or d % gs:
+                raise ConfigError("index_quant_group_size",
+                                  f"must be a power of two dividing index_head_dim = {d}, got {gs!r}")
         if self.attn_res_block_size is not None:
             _positive_int(self, "attn_res_block_size")
         if self.hidden_act != "silu":

@@ -5,9 +5,9 @@ column-parallel, o_proj row-parallel); attention runs in the absorbed form, so t
 cache holds one latent row [c | k_pe] per token. The indexer (wq_b from the q
 latent, wk + LayerNorm from the hidden state, weights_proj) is replicated on every
 rank, so all ranks select the same Top-K. Its optional RoPE covers the first
-index_rope_head_dim dims. The Hadamard rotation of the reference is skipped on
-this BF16 path: it is orthogonal and applied to both q and k, so it leaves every
-score unchanged (it matters only once index q/k are quantized).
+index_rope_head_dim dims; the optional Hadamard rotation follows it. The rotation
+is orthogonal and applied to both q and k, so exact scores would not change; it
+spreads outliers across each vector before the MXFP8 index cache rounds it.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from sglang.srt.runtime_context import get_parallel
 
 from sglang_hybrid.configs.hybrid_linear_sparse import HybridLinearSparseConfig
 from sglang_hybrid.layers.rms_norm import RMSNorm
+from sglang_hybrid.reference.ops import hadamard_matrix
 
 
 class IndexerRope(nn.Module):
@@ -59,12 +60,18 @@ class Indexer(nn.Module):
         self.weights_proj = ReplicatedLinear(D, self.n_heads, bias=False, quant_config=None, prefix=f"{prefix}.weights_proj")
         self.rope = IndexerRope(config.index_rope_head_dim, config.rope_theta, config.max_position_embeddings)
         self.weight_scale = (self.n_heads * self.head_dim) ** -0.5
+        self.use_hadamard = config.index_use_hadamard
+        if self.use_hadamard:
+            self.register_buffer("hadamard", hadamard_matrix(self.head_dim, torch.float32), persistent=False)
+
+    def _rotate(self, t, positions):
+        t = self.rope(t, positions)
+        return (t.float() @ self.hadamard).to(t.dtype) if self.use_hadamard else t
 
     def forward(self, x, q_latent, positions):
         """(index q [T, Hi, D], head weights [T, Hi] with all scales folded in, index k [T, D])."""
-        q = self.rope(self.wq_b(q_latent)[0].view(-1, self.n_heads, self.head_dim), positions)
-        k = self.k_norm(self.wk(x)[0].float()).to(x.dtype)
-        k = self.rope(k, positions)
+        q = self._rotate(self.wq_b(q_latent)[0].view(-1, self.n_heads, self.head_dim), positions)
+        k = self._rotate(self.k_norm(self.wk(x)[0].float()).to(x.dtype), positions)
         weights = self.weights_proj(x)[0].float() * self.weight_scale
         return q, weights, k
 

@@ -9,6 +9,8 @@ chunked prefill on a cached prefix). One fused kernel scores every visible posit
 and keeps the Top-K (reference.ops.topk_positions's order and tie rule); a second
 gathers those latent rows from the paged pool and attends over them only. The
 output is the latent attention result [T, H * kv_lora_rank]; the layer applies W_vc.
+With an MXFP8 index cache (config index_cache_dtype) the queries are quantized to
+the same format and the Top-K kernel dequantizes both on load.
 
 On a GPU the two are the Triton kernels of sglang_hybrid.kernels; elsewhere their
 plain-PyTorch references, which have the same interface. Decode launches depend
@@ -22,7 +24,7 @@ import torch
 from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 
-from sglang_hybrid.kernels import indexer_topk, sparse_mla
+from sglang_hybrid.kernels import indexer_topk, mxfp8, sparse_mla
 
 # Extend rows of one request share each index-K tile in blocks of this many rows.
 _EXTEND_ROW_BLOCK = 4
@@ -39,8 +41,10 @@ class SparseMLAAttnBackend(AttentionBackend):
         self.token_to_kv_pool = model_runner.token_to_kv_pool
         if str(model_runner.device).startswith("cuda"):
             self.select, self.attend = indexer_topk.indexer_topk, sparse_mla.sparse_mla
+            self.quantize = mxfp8.quantize_mxfp8
         else:
             self.select, self.attend = indexer_topk.indexer_topk_torch, sparse_mla.sparse_mla_torch
+            self.quantize = mxfp8.quantize_mxfp8_torch
 
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int):
         pass
@@ -62,7 +66,10 @@ class SparseMLAAttnBackend(AttentionBackend):
             self.token_to_kv_pool.set_kv_buffer(layer, loc, k, v)
             self.token_to_kv_pool.full_kv_pool.set_index_k(pool_layer, loc, index_k)
         kv = self.token_to_kv_pool.get_key_buffer(layer.layer_id)[:, 0]  # [slots, rank + rope]
-        ik = self.token_to_kv_pool.full_kv_pool.get_index_k_buffer(pool_layer)
+        ik, k_scale = self.token_to_kv_pool.full_kv_pool.get_index_k_buffer(pool_layer)
+        if k_scale is not None:  # MXFP8 index cache: the queries take the same format
+            index_q, q_scale = self.quantize(index_q, index_q.shape[-1] // k_scale.shape[-1])
+            select_options.update(q_scale=q_scale, k_scale=k_scale)
         H, rank = layer.tp_q_head_num, layer.v_head_dim
         selected = self.select(index_q, index_weights, ik, self.req_to_token, row_req, row_len, self.topk,
                                **select_options)

@@ -16,6 +16,7 @@ import torch
 from safetensors.torch import load_file
 
 from sglang_hybrid.configs.hybrid_linear_sparse import HybridLinearSparseConfig
+from sglang_hybrid.kernels.mxfp8 import dequantize_mxfp8, quantize_mxfp8_torch
 from sglang_hybrid.reference import ops
 
 
@@ -203,7 +204,12 @@ class GoldenModel:
         k = ops.layer_norm(
             x @ w[p + "indexer.wk.weight"].T, w[p + "indexer.k_norm.weight"], w[p + "indexer.k_norm.bias"], 1e-6
         )
-        return self._index_rotate(k, positions)
+        return self._index_cached(self._index_rotate(k, positions))
+
+    def _index_cached(self, t):
+        """Index q / k as the index cache tier holds them: MXFP8 rounds them (kernels.mxfp8)."""
+        group = self.config.index_mxfp8_group
+        return dequantize_mxfp8(*quantize_mxfp8_torch(t, group), group).to(t.dtype) if group else t
 
     def _index_rotate(self, t, positions):
         """RoPE on the first index_rope_head_dim dims, then the optional Hadamard rotation."""
@@ -216,7 +222,7 @@ class GoldenModel:
         """The indexer's queries [T, Hi, D] and head weights [T, Hi] (scales folded in)."""
         c, w = self.config, self.w
         T, Hi, D = x.shape[0], c.index_n_heads, c.index_head_dim
-        q = self._index_rotate((q_latent @ w[p + "indexer.wq_b.weight"].T).reshape(T, Hi, D), positions)
+        q = self._index_cached(self._index_rotate((q_latent @ w[p + "indexer.wq_b.weight"].T).reshape(T, Hi, D), positions))
         weights = (x @ w[p + "indexer.weights_proj.weight"].T) * (Hi**-0.5 * D**-0.5)
         return q, weights
 
