@@ -49,8 +49,8 @@ def tiny(**changes) -> dict:
     ({"index_rope_head_dim": 128}, "index_rope_head_dim"),  # above index_head_dim
     ({"index_head_dim": 48, "index_use_hadamard": True, "index_rope_head_dim": 0}, "index_head_dim"),
     ({"index_cache_dtype": "fp8"}, "index_cache_dtype"),
-    ({"index_quant_group_size": 24}, "index_quant_group_size"),
-    ({"index_quant_group_size": 256}, "index_quant_group_size"),  # above index_head_dim
+    ({"index_cache_dtype": "mxfp8", "index_quant_group_size": 24}, "index_quant_group_size"),
+    ({"index_cache_dtype": "mxfp8", "index_quant_group_size": 256}, "index_quant_group_size"),  # above index_head_dim
     ({"hidden_act": "gelu"}, "hidden_act"),
     ({"num_experts_per_token": 9}, "num_experts_per_token"),
     ({"num_expert_group": 3}, "num_expert_group"),
