@@ -4,6 +4,7 @@
 #   bash benchmarks/h200_checks.sh tiny     # kernel tests (bf16 too), tiny end to end, Engine, bf16 vs golden
 #   bash benchmarks/h200_checks.sh small    # small end to end, bf16 vs golden, bench preset on dummy weights
 #   bash benchmarks/h200_checks.sh tiny-e2e small-e2e   # or any list of the parts named below
+#   bash benchmarks/h200_checks.sh timing               # sparse path kernel timings vs baselines
 # Each pytest run writes $OUT/<stage>-<part>/pytest.txt and the server logs beside it.
 set -u
 source launch/h200_env.sh >/dev/null || exit 1
@@ -27,7 +28,10 @@ part() {
     small-e2e) run small-e2e 240 tests/test_server.py --preset small ;;
     small-bf16) run small-bf16 140 tests/test_gpu.py::test_bf16_statistically_tracks_golden --preset small ;;
     bench) run bench 200 tests/test_gpu.py::test_bench_preset_dummy_weights_answers ;;
-    *) echo "usage: bash benchmarks/h200_checks.sh {tiny|small|PART...}" >&2; exit 2 ;;
+    timing) mkdir -p "$OUT/timing"
+            timeout 400 python3 benchmarks/sparse_path_timing.py --out "$OUT/timing/sparse_path_timing.json" \
+              > "$OUT/timing/log.txt" 2>&1; echo "timing: rc=$?"; tail -3 "$OUT/timing/log.txt" ;;
+    *) echo "usage: bash benchmarks/h200_checks.sh {tiny|small|timing|PART...}" >&2; exit 2 ;;
   esac
 }
 
