@@ -79,6 +79,9 @@ class SparseMLAAttnBackend(AttentionBackend):
 
     def forward_extend(self, q, k, v, layer, forward_batch: ForwardBatch, save_kv_cache=True, *,
                        index_q, index_k, index_weights, **kwargs):
+        mode = forward_batch.forward_mode
+        if mode.is_target_verify() or mode.is_draft_extend_v2():
+            raise NotImplementedError(f"speculative decoding ({mode.name}) is not supported by the sparse MLA backend yet")
         row_req = torch.repeat_interleave(forward_batch.req_pool_indices, forward_batch.extend_seq_lens,
                                           output_size=q.shape[0])
         options = {"block_m": _EXTEND_ROW_BLOCK} if self.select is indexer_topk.indexer_topk else {}
