@@ -111,6 +111,7 @@ def _build_kv_pool(original, configurator, *, max_total_num_tokens, req_to_token
     if not _is_ours(configurator.model_config.hf_config):
         return original(configurator, max_total_num_tokens=max_total_num_tokens,
                         req_to_token_pool=req_to_token_pool, mha_pool_class=mha_pool_class)
+    import torch
     from sglang.srt.mem_cache.memory_pool import HybridLinearKVPool
     from sglang.srt.runtime_context import get_exec, get_spec
 
@@ -129,8 +130,9 @@ def _build_kv_pool(original, configurator, *, max_total_num_tokens, req_to_token
         device=configurator.device,
         enable_memory_saver=memory_saver,
         index_head_dim=mc.hf_config.index_head_dim,
-        index_dtype=configurator.model_dtype,
+        model_dtype=configurator.model_dtype,
         index_group=mc.hf_config.index_mxfp8_group,
+        kv_tile=mc.hf_config.kv_cache_quant_tile if configurator.kv_cache_dtype == torch.float8_e4m3fn else None,
     )
     return HybridLinearKVPool(
         size=max_total_num_tokens,
@@ -152,12 +154,17 @@ def _build_kv_pool(original, configurator, *, max_total_num_tokens, req_to_token
 
 
 def _cell_size_with_index_k(original, pool_configurator, kvc, num_layers):
+    import torch
+
     cell = original(pool_configurator, kvc, num_layers)
     hf = kvc.model_config.hf_config
     if _is_ours(hf):
         group = hf.index_mxfp8_group
         cell += num_layers * (hf.index_head_dim + hf.index_head_dim // group if group
                               else hf.index_head_dim * kvc.model_dtype.itemsize)
+        if kvc.kv_cache_dtype == torch.float8_e4m3fn:  # rope kept in the serving dtype, fp32 tile scales
+            cell += num_layers * (hf.qk_rope_head_dim * (kvc.model_dtype.itemsize - 1)
+                                  + 4 * (hf.kv_lora_rank // hf.kv_cache_quant_tile))
     return cell
 
 

@@ -26,17 +26,19 @@ def type_of(key):
     return float if key == "mem_fraction_static" else int if key.startswith("max_") else str
 
 
-# MXFP8 rounds the index q/k to 3 mantissa bits, so an fp32 difference of one ulp
-# between server and golden model (CPU: ~1e-6 relative) can land on the other side of
-# an e4m3 rounding boundary and move a score by a few percent. Measured on CPU, tiny:
-# greedy tokens identical, prefill logprob error up to 0.023 (decode 1.3e-5).
-MXFP8_TOLERANCE = Tolerance(logprob=0.05, margin=0.05)
+# The quantized tiers round the index q/k (MXFP8, 3 mantissa bits) and the MLA latent
+# (FP8), so an fp32 difference of one ulp between server and golden model (CPU: ~1e-6
+# relative) can land on the other side of an e4m3 rounding boundary and move a value by
+# a few percent. Measured on CPU, tiny, MXFP8 index: greedy tokens identical, prefill
+# logprob error up to 0.023 (decode 1.3e-5).
+QUANTIZED_TOLERANCE = Tolerance(logprob=0.05, margin=0.05)
 
 
-@pytest.mark.parametrize("index_cache_dtype", ["auto", "mxfp8"])
-def test_engine_generate_matches_golden(checkpoint, tolerance, index_cache_dtype):
-    """Both index cache tiers (the preset's, and the other one set through SGLang's
-    --json-model-override-args) against a golden model with the same config."""
+@pytest.mark.parametrize("index_cache_dtype, kv_cache_dtype", [("auto", "auto"), ("mxfp8", "fp8_e4m3")])
+def test_engine_generate_matches_golden(checkpoint, tolerance, index_cache_dtype, kv_cache_dtype):
+    """The unquantized tiers (the presets') and both quantized ones (MXFP8 index cache through
+    SGLang's --json-model-override-args, per-tile FP8 latent through --kv-cache-dtype)
+    against a golden model set up the same way."""
     import json
 
     import sglang
@@ -45,13 +47,15 @@ def test_engine_generate_matches_golden(checkpoint, tolerance, index_cache_dtype
 
     golden = load(checkpoint, device="cuda" if gpu_available() else "cpu")
     golden.config.index_cache_dtype = index_cache_dtype
+    golden.kv_cache_dtype = kv_cache_dtype
     prompts = [[5, 6, 7, 8], list(range(100, 160))]
-    engine = sglang.Engine(model_path=checkpoint, **_engine_kwargs(),
+    engine = sglang.Engine(model_path=checkpoint, **_engine_kwargs(), kv_cache_dtype=kv_cache_dtype,
                            json_model_override_args=json.dumps({"index_cache_dtype": index_cache_dtype}))
     try:
         outs = engine.generate(input_ids=prompts,
                                sampling_params={"max_new_tokens": 64, "temperature": 0, "ignore_eos": True})
     finally:
         engine.shutdown()
+    bound = tolerance if kv_cache_dtype == index_cache_dtype == "auto" else QUANTIZED_TOLERANCE
     for ids, out in zip(prompts, outs):
-        GoldenCheck(golden, MXFP8_TOLERANCE if index_cache_dtype == "mxfp8" else tolerance).greedy(ids, out["output_ids"])
+        GoldenCheck(golden, bound).greedy(ids, out["output_ids"])

@@ -58,6 +58,7 @@ PRESETS: dict[str, dict] = {
         # groups per row here) is tested with its own bound (tests/test_engine.py).
         index_cache_dtype="auto",
         index_quant_group_size=16,
+        kv_cache_quant_tile=16,  # two FP8 tiles per latent row (kv_lora_rank 32)
         linear_attn_config=dict(_layers(6, [3, 6]), num_heads=4, head_dim=16, short_conv_kernel_size=4),
         attn_res_block_size=2,
         num_experts=8,

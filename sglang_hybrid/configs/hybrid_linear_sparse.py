@@ -90,6 +90,9 @@ class HybridLinearSparseConfig(PretrainedConfig):
         # Index Q/K cache tier: "mxfp8" (e4m3 + one e8m0 scale per group) or "auto" (serving dtype).
         index_cache_dtype: str = "mxfp8",
         index_quant_group_size: int = 32,
+        # Latent KV tile of the FP8 cache (one fp32 scale per token per tile), used when the
+        # server runs with --kv-cache-dtype fp8_e4m3.
+        kv_cache_quant_tile: int = 128,
         # KDA.
         linear_attn_config: dict | None = None,
         # Block attention residuals (None: plain pre-norm residual stream).
@@ -144,6 +147,7 @@ class HybridLinearSparseConfig(PretrainedConfig):
         self.index_use_hadamard = index_use_hadamard
         self.index_cache_dtype = index_cache_dtype
         self.index_quant_group_size = index_quant_group_size
+        self.kv_cache_quant_tile = kv_cache_quant_tile
 
         self.linear_attn_config = linear_attn_config
         self.attn_res_block_size = attn_res_block_size
@@ -315,6 +319,9 @@ class HybridLinearSparseConfig(PretrainedConfig):
             if not isinstance(gs, int) or gs <= 0 or gs & (gs - 1) or d % gs:
                 raise ConfigError("index_quant_group_size",
                                   f"must be a power of two dividing index_head_dim = {d}, got {gs!r}")
+        t = self.kv_cache_quant_tile
+        if not isinstance(t, int) or t <= 0 or self.kv_lora_rank % t:
+            raise ConfigError("kv_cache_quant_tile", f"must be a positive int dividing kv_lora_rank = {self.kv_lora_rank}, got {t!r}")
         if self.attn_res_block_size is not None:
             _positive_int(self, "attn_res_block_size")
         if self.hidden_act != "silu":

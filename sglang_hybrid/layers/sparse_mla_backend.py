@@ -10,7 +10,8 @@ and keeps the Top-K (reference.ops.topk_positions's order and tie rule); a secon
 gathers those latent rows from the paged pool and attends over them only. The
 output is the latent attention result [T, H * kv_lora_rank]; the layer applies W_vc.
 With an MXFP8 index cache (config index_cache_dtype) the queries are quantized to
-the same format and the Top-K kernel dequantizes both on load.
+the same format and the Top-K kernel dequantizes both on load; with the FP8 latent
+cache (--kv-cache-dtype fp8_e4m3) the attention kernel dequantizes c on load.
 
 On a GPU the two are the Triton kernels of sglang_hybrid.kernels; elsewhere their
 plain-PyTorch references, which have the same interface. Decode launches depend
@@ -60,13 +61,14 @@ class SparseMLAAttnBackend(AttentionBackend):
 
     def _forward(self, q, k, v, layer, forward_batch, save_kv_cache, index_q, index_k, index_weights,
                  row_req, row_len, **select_options):
-        pool_layer = self._pool_layer(layer.layer_id)
+        pool_layer, pool = self._pool_layer(layer.layer_id), self.token_to_kv_pool.full_kv_pool
         if save_kv_cache:
             loc = forward_batch.out_cache_loc
             self.token_to_kv_pool.set_kv_buffer(layer, loc, k, v)
-            self.token_to_kv_pool.full_kv_pool.set_index_k(pool_layer, loc, index_k)
-        kv = self.token_to_kv_pool.get_key_buffer(layer.layer_id)[:, 0]  # [slots, rank + rope]
-        ik, k_scale = self.token_to_kv_pool.full_kv_pool.get_index_k_buffer(pool_layer)
+            pool.set_index_k(pool_layer, loc, index_k)
+        kv = self.token_to_kv_pool.get_key_buffer(layer.layer_id)[:, 0]  # [slots, rank + rope], or FP8 c [slots, rank]
+        kv_scale, kv_rope = pool.get_latent_fp8(pool_layer)
+        ik, k_scale = pool.get_index_k_buffer(pool_layer)
         if k_scale is not None:  # MXFP8 index cache: the queries take the same format
             index_q, q_scale = self.quantize(index_q, index_q.shape[-1] // k_scale.shape[-1])
             select_options.update(q_scale=q_scale, k_scale=k_scale)
@@ -74,7 +76,7 @@ class SparseMLAAttnBackend(AttentionBackend):
         selected = self.select(index_q, index_weights, ik, self.req_to_token, row_req, row_len, self.topk,
                                **select_options)
         out = self.attend(q.view(-1, H, layer.qk_head_dim), kv, self.req_to_token, row_req, selected, rank,
-                          layer.scaling)
+                          layer.scaling, kv_scale=kv_scale, kv_rope=kv_rope)
         return out.reshape(-1, H * rank)
 
     def forward_extend(self, q, k, v, layer, forward_batch: ForwardBatch, save_kv_cache=True, *,

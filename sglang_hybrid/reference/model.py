@@ -16,6 +16,7 @@ import torch
 from safetensors.torch import load_file
 
 from sglang_hybrid.configs.hybrid_linear_sparse import HybridLinearSparseConfig
+from sglang_hybrid.kernels.fp8_kv import dequantize_kv_fp8, quantize_kv_fp8_torch
 from sglang_hybrid.kernels.mxfp8 import dequantize_mxfp8, quantize_mxfp8_torch
 from sglang_hybrid.reference import ops
 
@@ -52,6 +53,8 @@ class GoldenModel:
         self.hadamard = (
             ops.hadamard_matrix(config.index_head_dim, dtype).to(self.device) if config.index_use_hadamard else None
         )
+        # The server's --kv-cache-dtype: "fp8_e4m3" rounds the MLA latent as the FP8 cache holds it.
+        self.kv_cache_dtype = "auto"
 
     # ------------------------------------------------------------------ public
     def new_cache(self) -> SequenceCache:
@@ -88,7 +91,9 @@ class GoldenModel:
     def with_weights_rounded_to(self, dtype: torch.dtype) -> "GoldenModel":
         """The same model on weights rounded to `dtype` (what a server at that dtype holds),
         still computing in this model's dtype."""
-        return GoldenModel(self.config, {k: v.to(dtype) for k, v in self.w.items()}, self.dtype, self.device)
+        rounded = GoldenModel(self.config, {k: v.to(dtype) for k, v in self.w.items()}, self.dtype, self.device)
+        rounded.kv_cache_dtype = self.kv_cache_dtype
+        return rounded
 
     def logits(self, input_ids: list[int]) -> torch.Tensor:
         """Logits of one full prefill, [T, vocab]."""
@@ -184,7 +189,7 @@ class GoldenModel:
         q_latent = ops.rms_norm(x @ w[p + "q_a_proj.weight"].T, w[p + "q_a_layernorm.weight"], c.rms_norm_eps)
         q = (q_latent @ w[p + "q_b_proj.weight"].T).reshape(T, H, nope + rope)
         kv = x @ w[p + "kv_a_proj_with_mqa.weight"].T
-        lc.latent.append(ops.rms_norm(kv[:, :rank], w[p + "kv_a_layernorm.weight"], c.rms_norm_eps))
+        lc.latent.append(self._latent_cached(ops.rms_norm(kv[:, :rank], w[p + "kv_a_layernorm.weight"], c.rms_norm_eps)))
         lc.rope_key.append(kv[:, rank:])
         lc.index_key.append(self._index_key(p, x, positions))
 
@@ -198,6 +203,12 @@ class GoldenModel:
         selected = self._index_select(q_index, index_weights, positions, torch.cat(lc.index_key))
         o = ops.sparse_attention(q, k, v, selected, scale=(nope + rope) ** -0.5)
         return o.reshape(T, H * vdim) @ w[p + "o_proj.weight"].T
+
+    def _latent_cached(self, c):
+        """The MLA latent as the KV cache holds it: FP8 with one scale per tile (kernels.fp8_kv)."""
+        if self.kv_cache_dtype != "fp8_e4m3":
+            return c
+        return dequantize_kv_fp8(*quantize_kv_fp8_torch(c, self.config.kv_cache_quant_tile), c.dtype)
 
     def _index_key(self, p, x, positions):
         c, w = self.config, self.w
