@@ -111,7 +111,6 @@ def _build_kv_pool(original, configurator, *, max_total_num_tokens, req_to_token
     if not _is_ours(configurator.model_config.hf_config):
         return original(configurator, max_total_num_tokens=max_total_num_tokens,
                         req_to_token_pool=req_to_token_pool, mha_pool_class=mha_pool_class)
-    import torch
     from sglang.srt.mem_cache.memory_pool import HybridLinearKVPool
     from sglang.srt.runtime_context import get_exec, get_spec
 
@@ -132,7 +131,7 @@ def _build_kv_pool(original, configurator, *, max_total_num_tokens, req_to_token
         index_head_dim=mc.hf_config.index_head_dim,
         model_dtype=configurator.model_dtype,
         index_group=mc.hf_config.index_mxfp8_group,
-        kv_tile=mc.hf_config.kv_cache_quant_tile if configurator.kv_cache_dtype == torch.float8_e4m3fn else None,
+        kv_tile=_fp8_latent_tile(mc.hf_config, configurator.kv_cache_dtype),
     )
     return HybridLinearKVPool(
         size=max_total_num_tokens,
@@ -153,18 +152,23 @@ def _build_kv_pool(original, configurator, *, max_total_num_tokens, req_to_token
     )
 
 
-def _cell_size_with_index_k(original, pool_configurator, kvc, num_layers):
+def _fp8_latent_tile(hf_config, kv_cache_dtype) -> int | None:
+    """The FP8 latent cache's tile when the server runs --kv-cache-dtype fp8_e4m3, else None."""
     import torch
 
+    return hf_config.kv_cache_quant_tile if kv_cache_dtype == torch.float8_e4m3fn else None
+
+
+def _cell_size_with_index_k(original, pool_configurator, kvc, num_layers):
     cell = original(pool_configurator, kvc, num_layers)
     hf = kvc.model_config.hf_config
     if _is_ours(hf):
         group = hf.index_mxfp8_group
         cell += num_layers * (hf.index_head_dim + hf.index_head_dim // group if group
                               else hf.index_head_dim * kvc.model_dtype.itemsize)
-        if kvc.kv_cache_dtype == torch.float8_e4m3fn:  # rope kept in the serving dtype, fp32 tile scales
-            cell += num_layers * (hf.qk_rope_head_dim * (kvc.model_dtype.itemsize - 1)
-                                  + 4 * (hf.kv_lora_rank // hf.kv_cache_quant_tile))
+        tile = _fp8_latent_tile(hf, kvc.kv_cache_dtype)
+        if tile:  # rope kept in the serving dtype, fp32 tile scales
+            cell += num_layers * (hf.qk_rope_head_dim * (kvc.model_dtype.itemsize - 1) + 4 * (hf.kv_lora_rank // tile))
     return cell
 
 
