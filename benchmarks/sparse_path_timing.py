@@ -1,100 +1,179 @@
 """Timing of the sparse path on one GPU, each against baselines measured in the same run.
 
-Decode (one row per request) and prefill (a causal chunk of one request) at DSA-like
-shapes (64 index heads x 128, Top-K 2048, latent 512 + 64 rope, 128 query heads):
+Shapes are DSA-like (64 index heads x 128, Top-K 2048, latent 512 + 64 rope, 128 query
+heads). Decode: batch {1, 8, 32, 64} x history {4K, 32K, 128K}, one row per request.
+Prefill: one request of {8K, 32K, 64K} tokens, every row causal.
 
-- indexer: the fused `indexer_topk` (BF16 and MXFP8 index cache) against the unfused
-  PyTorch path it replaces (gather the history, score matrix [rows, heads, history]
-  in fp32 through HBM, torch.topk), and against the bytes it must read (index-K rows
-  of every visible position) at the HBM copy bandwidth measured here;
+- indexer: the fused `indexer_topk` (BF16 and MXFP8 index cache; decode also without
+  split-K) against the unfused PyTorch path (bf16 tensor-core logits [rows x heads x
+  history] through HBM, relu, head-weighted sum, torch.topk; processed in row chunks so
+  its memory stays bounded), with the extra memory each path allocates;
 - sparse MLA: `sparse_mla` (BF16 and FP8 latent) against its gather + softmax PyTorch
-  reference and against the bytes of the selected latent rows at that bandwidth.
+  reference (where the gather fits);
+- floors: the bytes each kernel must read (index-K rows of every visible position; the
+  selected latent rows) at the device-to-device copy bandwidth measured here, and its
+  FLOPs at the bf16 GEMM throughput measured here. fraction_of_hbm = floor time from
+  bytes / measured time; fraction_of_gemm likewise from FLOPs.
 
-    python benchmarks/sparse_path_timing.py --out $OUT/sparse_path_timing.json
+    python benchmarks/sparse_path_timing.py --out $OUT/sparse_path_timing.json [--quick]
 
-Times are medians of CUDA-event timings (triton.testing.do_bench); no claim is made
-here about any number before it is run and recorded in benchmarks/.
+Times are medians of CUDA-event timings (triton.testing.do_bench). The JSON is rewritten
+after every case, so a run cut short keeps what it measured.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import traceback
 
 import torch
 from triton.testing import do_bench
 
 from sglang_hybrid.kernels import fp8_kv, indexer_topk, mxfp8, sparse_mla
-from sglang_hybrid.reference.ops import topk_positions
 
 HI, D, TOPK, H, RANK, ROPE = 64, 128, 2048, 128, 512, 64
+CHUNK_BYTES = 2 << 30  # the unfused path's logits per row chunk
 
 
 def hbm_copy_gbps() -> float:
-    x = torch.empty(1 << 28, dtype=torch.uint8, device="cuda")  # 256 MiB
+    x = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")  # 1 GiB, far beyond L2
     y = torch.empty_like(x)
-    ms = do_bench(lambda: y.copy_(x))
-    return 2 * x.numel() / ms / 1e6  # read + write, GB/s
+    return 2 * x.numel() / do_bench(lambda: y.copy_(x)) / 1e6  # read + write, GB/s
 
 
-def paged_history(reqs: int, length: int, width: int, dtype, g):
-    """A pool with each request's positions scattered over the slots, and its table."""
+def gemm_tflops() -> float:
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    return 2 * 8192**3 / do_bench(lambda: a @ a) / 1e9
+
+
+def timed(fn) -> tuple[float, int]:
+    """(median ms, bytes allocated beyond what was live before the call)."""
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    fn()
+    torch.cuda.synchronize()
+    extra = torch.cuda.max_memory_allocated() - base
+    return do_bench(fn), extra
+
+
+def paged_history(reqs: int, length: int, width: int, g):
+    """A bf16 pool with each request's positions scattered over the slots, and its table."""
     slots = torch.randperm(reqs * length, device="cuda", generator=g).view(reqs, length).to(torch.int32)
-    cache = torch.randn(reqs * length, width, device="cuda", generator=g).to(dtype)
+    cache = torch.randn(reqs * length, width, device="cuda", generator=g, dtype=torch.bfloat16)
     return cache, slots
 
 
 def unfused_indexer(q, w, k, table, row_req, row_len, topk):
-    """The path the fused kernel replaces: gathered keys, an fp32 score matrix in HBM, topk."""
-    L = table.shape[1]
-    keys = k[table[row_req.long()].long()]  # [R, L, D]
-    s = torch.einsum("rhd,rld->rhl", q.float(), keys.float()).relu_()
-    s = torch.einsum("rh,rhl->rl", w, s)
-    s.masked_fill_(torch.arange(L, device=s.device)[None, :] >= row_len[:, None], float("-inf"))
-    return topk_positions(s, topk) if L < 8192 else s.topk(topk, dim=-1).indices  # stable sort is slow at 128K
+    """What the fused kernel replaces, as fast as plain PyTorch does it: per chunk of rows,
+    gather the history, bf16 GEMM logits into HBM, relu, weighted head sum, topk."""
+    R, L = q.shape[0], table.shape[1]
+    chunk = max(1, CHUNK_BYTES // (L * HI * 2))
+    out = torch.empty(R, topk, dtype=torch.int64, device=q.device)
+    wb = w.to(q.dtype)
+    for r0 in range(0, R, chunk):
+        rows = slice(r0, min(R, r0 + chunk))
+        reqs = row_req[rows].long()
+        keys = k[table[reqs].long()]  # [r, L, D]
+        logits = torch.bmm(keys, q[rows].transpose(1, 2)).relu_()  # [r, L, HI]
+        s = torch.bmm(logits, wb[rows, :, None]).squeeze(-1).float()  # [r, L]
+        s.masked_fill_(torch.arange(L, device=s.device)[None, :] >= row_len[rows, None], float("-inf"))
+        out[rows] = s.topk(topk, dim=-1).indices
+    return out
 
 
-def bench_indexer(rows, reqs, length, row_len, row_req, g, bw, block_m):
+def unfused_indexer_one_request(q, w, k, table, row_len, topk):
+    """The prefill form: one request, its history gathered once and shared by all rows."""
+    R, L = q.shape[0], table.shape[1]
+    chunk = max(1, CHUNK_BYTES // (L * HI * 2))
+    keys = k[table[0].long()]  # [L, D]
+    out = torch.empty(R, topk, dtype=torch.int64, device=q.device)
+    wb = w.to(q.dtype)
+    for r0 in range(0, R, chunk):
+        rows = slice(r0, min(R, r0 + chunk))
+        logits = (keys @ q[rows].flatten(0, 1).T).relu_().view(L, -1, HI)  # [L, r, HI]
+        s = torch.einsum("lrh,rh->rl", logits, wb[rows]).float()
+        s.masked_fill_(torch.arange(L, device=s.device)[None, :] >= row_len[rows, None], float("-inf"))
+        out[rows] = s.topk(topk, dim=-1).indices
+    return out
+
+
+def bench_indexer(rows, reqs, length, row_len, row_req, g, bw, tflops, block_ms, decode):
     out = {}
-    k, table = paged_history(reqs, length, D, torch.bfloat16, g)
-    q = torch.randn(rows, HI, D, device="cuda", generator=g).to(torch.bfloat16)
+    k, table = paged_history(reqs, length, D, g)
+    q = torch.randn(rows, HI, D, device="cuda", generator=g, dtype=torch.bfloat16)
     w = torch.randn(rows, HI, device="cuda", generator=g)
-    visible = int(row_len.sum())
-    out["bytes_min"] = visible * D * 2 + q.numel() * 2
-    out["fused_bf16_ms"] = do_bench(lambda: indexer_topk.indexer_topk(q, w, k, table, row_req, row_len, TOPK,
-                                                                      block_m=block_m))
     qd, qs = mxfp8.quantize_mxfp8(q)
     kd, ks = mxfp8.quantize_mxfp8(k)
-    out["fused_mxfp8_ms"] = do_bench(lambda: indexer_topk.indexer_topk(qd, w, kd, table, row_req, row_len, TOPK,
-                                                                       block_m=block_m, q_scale=qs, k_scale=ks))
-    out["bytes_min_mxfp8"] = visible * (D + D // 32) + qd.numel() + qs.numel()
-    if rows * length * HI * 4 <= 8 << 30:  # the unfused score matrix must fit
-        out["unfused_ms"] = do_bench(lambda: unfused_indexer(q, w, k, table, row_req, row_len, TOPK))
-        out["speedup_vs_unfused"] = out["unfused_ms"] / out["fused_bf16_ms"]
-    out["fraction_of_hbm_bf16"] = out["bytes_min"] / (out["fused_bf16_ms"] * 1e6) / bw
-    out["fraction_of_hbm_mxfp8"] = out["bytes_min_mxfp8"] / (out["fused_mxfp8_ms"] * 1e6) / bw
+    visible = int(row_len.sum())
+    bytes_bf16 = visible * D * 2 + q.numel() * 2
+    bytes_mxfp8 = visible * (D + D // 32) + qd.numel() + qs.numel()
+    flops = 2 * visible * HI * D
+    out.update(visible_positions=visible, bytes_floor_bf16=bytes_bf16, bytes_floor_mxfp8=bytes_mxfp8,
+               flops=flops, floor_ms_bytes_bf16=bytes_bf16 / bw / 1e6, floor_ms_flops=flops / tflops / 1e9)
+    for block_m in block_ms:
+        tag = f"block_m={block_m}"
+        out[f"fused_bf16_ms[{tag}]"], out[f"fused_bf16_extra_bytes[{tag}]"] = timed(
+            lambda: indexer_topk.indexer_topk(q, w, k, table, row_req, row_len, TOPK, block_m=block_m))
+        out[f"fused_mxfp8_ms[{tag}]"], _ = timed(
+            lambda: indexer_topk.indexer_topk(qd, w, kd, table, row_req, row_len, TOPK, block_m=block_m,
+                                              q_scale=qs, k_scale=ks))
+    if decode:
+        out["fused_bf16_no_split_ms"], _ = timed(
+            lambda: indexer_topk.indexer_topk(q, w, k, table, row_req, row_len, TOPK, programs=1))
+        # Split-K must not change the selection: same keys, merged (a check, not a timing).
+        split = indexer_topk.indexer_topk(q, w, k, table, row_req, row_len, TOPK)
+        out["split_equals_no_split"] = bool(torch.equal(
+            split, indexer_topk.indexer_topk(q, w, k, table, row_req, row_len, TOPK, programs=1)))
+    best = min(v for key, v in out.items() if key.startswith("fused_bf16_ms"))
+    best_mx = min(v for key, v in out.items() if key.startswith("fused_mxfp8_ms"))
+    if decode:
+        fn = lambda: unfused_indexer(q, w, k, table, row_req, row_len, TOPK)  # noqa: E731
+    else:
+        fn = lambda: unfused_indexer_one_request(q, w, k, table, row_len, TOPK)  # noqa: E731
+    out["unfused_ms"], out["unfused_extra_bytes"] = timed(fn)
+    out["speedup_vs_unfused_bf16"] = out["unfused_ms"] / best
+    out["speedup_vs_unfused_mxfp8"] = out["unfused_ms"] / best_mx
+    out["fraction_of_hbm_bf16"] = out["floor_ms_bytes_bf16"] / best
+    out["fraction_of_hbm_mxfp8"] = bytes_mxfp8 / bw / 1e6 / best_mx
+    out["fraction_of_gemm_bf16"] = out["floor_ms_flops"] / best
+    block_m = block_ms[0]
     selected = indexer_topk.indexer_topk(q, w, k, table, row_req, row_len, TOPK, block_m=block_m)
+    del k, q, qd, kd
     return out, table, selected
 
 
-def bench_sparse_mla(rows, reqs, length, table, row_req, selected, g, bw):
+def bench_sparse_mla(rows, reqs, length, table, row_req, selected, g, bw, tflops):
     out = {}
-    kv, _ = paged_history(reqs, length, RANK + ROPE, torch.bfloat16, g)
-    q = torch.randn(rows, H, RANK + ROPE, device="cuda", generator=g).to(torch.bfloat16)
+    kv, _ = paged_history(reqs, length, RANK + ROPE, g)
+    q = torch.randn(rows, H, RANK + ROPE, device="cuda", generator=g, dtype=torch.bfloat16)
     scale = (128 + ROPE) ** -0.5  # DeepSeek's qk_nope 128 + rope 64
     n_sel = int((selected >= 0).sum())
-    out["bytes_min"] = n_sel * (RANK + ROPE) * 2 + q.numel() * 2 + rows * H * RANK * 2
-    out["kernel_bf16_ms"] = do_bench(lambda: sparse_mla.sparse_mla(q, kv, table, row_req, selected, RANK, scale))
+    io = q.numel() * 2 + rows * H * RANK * 2  # queries in, outputs out
+    out["bytes_floor_bf16"] = n_sel * (RANK + ROPE) * 2 + io
+    out["bytes_floor_fp8"] = n_sel * (RANK + RANK // 128 * 4 + ROPE * 2) + io
+    out["flops"] = 2 * n_sel * H * (RANK + ROPE + RANK)
+    for block_h in (16, 32, 64):
+        out[f"kernel_bf16_ms[block_h={block_h}]"] = do_bench(
+            lambda: sparse_mla.sparse_mla(q, kv, table, row_req, selected, RANK, scale, block_h=block_h))
+    outs = [sparse_mla.sparse_mla(q, kv, table, row_req, selected, RANK, scale, block_h=b).float() for b in (16, 64)]
+    out["block_h_16_vs_64_max_abs_diff"] = float((outs[0] - outs[1]).abs().max())  # the same math, split differently
+    del outs
+    best_h = min((16, 32, 64), key=lambda b: out[f"kernel_bf16_ms[block_h={b}]"])
+    out["best_block_h"] = best_h
+    best = out[f"kernel_bf16_ms[block_h={best_h}]"]
     data, kscale = fp8_kv.quantize_kv_fp8_torch(kv[:, :RANK])
     rope = kv[:, RANK:].contiguous()
     out["kernel_fp8_ms"] = do_bench(lambda: sparse_mla.sparse_mla(q, data, table, row_req, selected, RANK, scale,
-                                                                 kv_scale=kscale, kv_rope=rope))
-    out["bytes_min_fp8"] = n_sel * (RANK + RANK // 128 * 4 + ROPE * 2) + q.numel() * 2 + rows * H * RANK * 2
-    out["torch_reference_ms"] = do_bench(lambda: sparse_mla.sparse_mla_torch(q, kv, table, row_req, selected, RANK,
-                                                                           scale))
-    out["speedup_vs_torch"] = out["torch_reference_ms"] / out["kernel_bf16_ms"]
-    out["fraction_of_hbm_bf16"] = out["bytes_min"] / (out["kernel_bf16_ms"] * 1e6) / bw
-    out["fraction_of_hbm_fp8"] = out["bytes_min_fp8"] / (out["kernel_fp8_ms"] * 1e6) / bw
+                                                                 block_h=best_h, kv_scale=kscale, kv_rope=rope))
+    out["fraction_of_hbm_bf16"] = out["bytes_floor_bf16"] / bw / 1e6 / best
+    out["fraction_of_hbm_fp8"] = out["bytes_floor_fp8"] / bw / 1e6 / out["kernel_fp8_ms"]
+    out["fraction_of_gemm_bf16"] = out["flops"] / tflops / 1e9 / best
+    if rows * TOPK * (RANK + ROPE) * 4 <= CHUNK_BYTES:  # the reference gathers [rows, topk, width] fp32
+        out["torch_reference_ms"] = do_bench(
+            lambda: sparse_mla.sparse_mla_torch(q, kv, table, row_req, selected, RANK, scale))
+        out["speedup_vs_torch"] = out["torch_reference_ms"] / best
     return out
 
 
@@ -104,33 +183,36 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="one small case of each kind")
     args = ap.parse_args()
     g = torch.Generator(device="cuda").manual_seed(0)
-    bw = hbm_copy_gbps()
-    results = {"hbm_copy_GBps": bw, "shapes": dict(index_heads=HI, index_dim=D, topk=TOPK, heads=H, rank=RANK,
-                                                    rope=ROPE), "cases": []}
-    decode = [(1, 8192), (32, 32768), (8, 131072)] if not args.quick else [(4, 4096)]
-    prefill = [(2048, 8192), (4096, 32768)] if not args.quick else [(256, 2048)]
-    for reqs, length in decode:
-        row_req = torch.arange(reqs, device="cuda", dtype=torch.int32)
-        row_len = torch.full((reqs,), length, device="cuda", dtype=torch.int32)
-        idx, table, selected = bench_indexer(reqs, reqs, length, row_len, row_req, g, bw, 1)
-        mla = bench_sparse_mla(reqs, reqs, length, table, row_req, selected, g, bw)
-        results["cases"].append({"kind": "decode", "requests": reqs, "history": length, "indexer": idx,
-                                 "sparse_mla": mla})
-        print(json.dumps(results["cases"][-1]), flush=True)
-    for rows, length in prefill:  # the last `rows` positions of one request, causal
-        row_req = torch.zeros(rows, device="cuda", dtype=torch.int32)
-        row_len = torch.arange(length - rows + 1, length + 1, device="cuda", dtype=torch.int32)
-        cases = {}
-        for block_m in (1, 4, 8):
-            cases[f"block_m={block_m}"], table, selected = bench_indexer(rows, 1, length, row_len, row_req,
-                                                                         g, bw, block_m)
-        mla = bench_sparse_mla(rows, 1, length, table, row_req, selected, g, bw)
-        results["cases"].append({"kind": "prefill", "rows": rows, "history": length, "indexer": cases,
-                                 "sparse_mla": mla})
-        print(json.dumps(results["cases"][-1]), flush=True)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(results, f, indent=1)
+    bw, tflops = hbm_copy_gbps(), gemm_tflops()
+    results = {"device": torch.cuda.get_device_name(), "hbm_copy_GBps": bw, "bf16_gemm_TFLOPs": tflops,
+               "shapes": dict(index_heads=HI, index_dim=D, topk=TOPK, heads=H, rank=RANK, rope=ROPE), "cases": []}
+    decode = [(b, L) for L in (4096, 32768, 131072) for b in (1, 8, 32, 64)] if not args.quick else [(4, 4096)]
+    prefill = [8192, 32768, 65536] if not args.quick else [4096]
+    cases = [("decode", b, L) for b, L in decode] + [("prefill", 1, L) for L in prefill]
+    for kind, reqs, length in cases:
+        case = {"kind": kind, "requests": reqs, "history": length}
+        try:
+            if kind == "decode":
+                rows = reqs
+                row_req = torch.arange(reqs, device="cuda", dtype=torch.int32)
+                row_len = torch.full((reqs,), length, device="cuda", dtype=torch.int32)
+                block_ms = (1,)
+            else:  # every position of one request, causal
+                rows = length
+                row_req = torch.zeros(rows, device="cuda", dtype=torch.int32)
+                row_len = torch.arange(1, length + 1, device="cuda", dtype=torch.int32)
+                block_ms = (4, 8)
+            case["indexer"], table, selected = bench_indexer(rows, reqs, length, row_len, row_req, g, bw, tflops,
+                                                             block_ms, kind == "decode")
+            case["sparse_mla"] = bench_sparse_mla(rows, reqs, length, table, row_req, selected, g, bw, tflops)
+        except Exception:  # record it and go on: one shape's failure says nothing about the others
+            case["error"] = traceback.format_exc(limit=3)
+        torch.cuda.empty_cache()
+        results["cases"].append(case)
+        print(json.dumps(case), flush=True)
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(results, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -63,13 +63,14 @@ def _e8m0(byte):
 @triton.jit
 def _indexer_topk_kernel(
     q_ptr, w_ptr, k_ptr, table_ptr, row_req_ptr, row_len_ptr, block_start_ptr, block_end_ptr,
-    idx_ptr, score_ptr, qs_ptr, ks_ptr,
+    idx_ptr, score_ptr, qs_ptr, ks_ptr, part_ptr,
     stride_qr, stride_qh, stride_wr, stride_k, stride_table, stride_out, stride_qsr, stride_qsh, stride_ks,
-    H, TOPK,
+    H, TOPK, SPLIT_LEN,
     D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr, KP: tl.constexpr,
-    WRITE_SCORES: tl.constexpr, GROUP: tl.constexpr, DOT_DTYPE: tl.constexpr,
+    WRITE_SCORES: tl.constexpr, GROUP: tl.constexpr, DOT_DTYPE: tl.constexpr, SPLIT: tl.constexpr,
 ):
-    # One program: up to BLOCK_M consecutive rows of one request, sharing every K tile.
+    # One program: up to BLOCK_M consecutive rows of one request, sharing every K tile, over
+    # positions [SPLIT_LEN * split, SPLIT_LEN * (split + 1)) of their history.
     rows = tl.load(block_start_ptr + tl.program_id(0)) + tl.arange(0, BLOCK_M)
     live = rows < tl.load(block_end_ptr + tl.program_id(0))
     req = tl.load(row_req_ptr + rows, mask=live, other=0).to(tl.int64)
@@ -91,8 +92,9 @@ def _indexer_topk_kernel(
     NONE: tl.constexpr = -9223372036854775807 - 1
     best = tl.full([BLOCK_M, KP], NONE, tl.int64)
     tiles = tl.arange(0, KP // BLOCK_S)
-    n_max = tl.max(n, axis=0)  # the block's longest history
-    for c0 in range(0, n_max, KP):
+    lo = tl.program_id(1).to(tl.int64) * SPLIT_LEN
+    n_max = tl.minimum(tl.max(n, axis=0), lo + SPLIT_LEN)  # the block's longest history, in this split
+    for c0 in range(lo, n_max, KP):
         pending = tl.full([BLOCK_M, KP // BLOCK_S, BLOCK_S], NONE, tl.int64)
         for j in range(0, KP // BLOCK_S):
             pos = c0 + j * BLOCK_S + tl.arange(0, BLOCK_S).to(tl.int64)
@@ -112,6 +114,10 @@ def _indexer_topk_kernel(
         best = tl.sum(tl.where(tl.arange(0, 2)[None, :, None] == 0, halves, 0), axis=1)
 
     offs_k = tl.arange(0, KP)
+    if SPLIT:  # the split's Top-K keys, merged across splits by _merge_splits
+        part = (rows[:, None] * tl.num_programs(1) + tl.program_id(1)) * KP + offs_k[None, :]
+        tl.store(part_ptr + part, best, mask=live[:, None])
+        return
     found = best != NONE
     pos = tl.where(found, 0x7FFFFFFF - (best & 0xFFFFFFFF), -1)
     out_mask = live[:, None] & (offs_k[None, :] < TOPK)
@@ -138,6 +144,25 @@ def _row_blocks(row_req: torch.Tensor, block_m: int) -> tuple[torch.Tensor, torc
     return starts, ends
 
 
+def _split_len(history: int, kp: int, programs: int, target: int) -> int:
+    """Positions per split: enough splits to give about `target` programs, each a whole
+    number of KP-position rounds. From the table width, not the lengths, so it is the
+    same in every replay of a CUDA graph."""
+    splits = min(triton.cdiv(history, kp), max(1, triton.cdiv(target, programs)))
+    return triton.cdiv(triton.cdiv(history, splits), kp) * kp
+
+
+def _merge_splits(part: torch.Tensor, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """[R, splits, KP] per-split keys -> the best topk positions and scores. Keys are unique
+    per position, so this is the order the one-split kernel produces (see _encode)."""
+    keys = part.flatten(1).topk(topk, dim=1).values
+    found = keys != torch.iinfo(torch.int64).min
+    pos = torch.where(found, 0x7FFFFFFF - (keys & 0xFFFFFFFF), -1).to(torch.int32)
+    ordered = (keys >> 32).to(torch.int32)
+    bits = torch.where(ordered >= 0, ordered, ordered ^ 0x7FFFFFFF)
+    return pos, torch.where(found, bits.view(torch.float32), float("-inf"))
+
+
 def indexer_topk(
     q: torch.Tensor,
     weights: torch.Tensor,
@@ -151,6 +176,7 @@ def indexer_topk(
     block_m: int = 1,
     q_scale: torch.Tensor | None = None,
     k_scale: torch.Tensor | None = None,
+    programs: int | None = None,
 ):
     """Top-K history positions per query row.
 
@@ -162,6 +188,10 @@ def indexer_topk(
     k_scale [slots, D // G] their e8m0 scale bytes; the group size G follows from them.
     block_m > 1 lets up to block_m consecutive rows of one request (prefill, verify) share
     each K tile; decode rows (one per request) want 1.
+    programs: about how many programs to run (default: 2 per SM). When there are fewer row
+    blocks, the history is split across programs (split-K, as in flash-decoding) and the
+    splits' Top-Ks are merged by one torch.topk over their keys: a few KP-wide rows per
+    query row, never a score per position.
     Returns positions [R, topk] int32 (-1 padded), and their fp32 scores if asked.
     """
     R, H, D = q.shape
@@ -194,14 +224,25 @@ def indexer_topk(
         weights = weights.float()
         starts, ends = _row_blocks(row_req, block_m)
         block_h = max(triton.next_power_of_2(H), 16 // block_m)  # the dot needs N = block_m * block_h >= 16
-        _indexer_topk_kernel[(starts.shape[0],)](
-            q, weights, index_k, req_to_token, row_req, row_len, starts, ends, idx, scores, q_scale, k_scale,
+        if programs is None:
+            programs = 2 * torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 1
+        history = max(req_to_token.shape[1], 1)
+        split_len = _split_len(history, kp, starts.shape[0], programs)
+        splits = triton.cdiv(history, split_len)
+        part = torch.empty(R, splits, kp, dtype=torch.int64, device=q.device) if splits > 1 else idx
+        _indexer_topk_kernel[(starts.shape[0], splits)](
+            q, weights, index_k, req_to_token, row_req, row_len, starts, ends, idx, scores, q_scale, k_scale, part,
             q.stride(0), q.stride(1), weights.stride(0), index_k.stride(0), req_to_token.stride(0), idx.stride(0),
             q_scale.stride(0), q_scale.stride(1), k_scale.stride(0),
-            H, topk,
+            H, topk, split_len,
             D=D, BLOCK_M=block_m, BLOCK_H=block_h, BLOCK_S=block_s, KP=kp, WRITE_SCORES=return_scores,
-            GROUP=group, DOT_DTYPE=dot_dtype,
+            GROUP=group, DOT_DTYPE=dot_dtype, SPLIT=splits > 1,
         )
+        if splits > 1:
+            pos, best = _merge_splits(part, topk)
+            idx.copy_(pos)
+            if return_scores:
+                scores.copy_(best)
     return (idx, scores) if return_scores else idx
 
 

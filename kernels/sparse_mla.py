@@ -9,7 +9,8 @@ shared by all heads (MQA over the latent); the absorbed query per head is
     out[h]       = softmax_j(logits[h]) @ kv[slot(selected[j]), :rank]
 
 The kernel walks the selection in blocks with an online softmax (one program per
-row), gathering the selected latent rows through req_to_token. The caller applies
+row and block of heads: a [heads x rank] fp32 accumulator for all 128 heads would not fit
+on chip), gathering the selected latent rows through req_to_token. The caller applies
 W_vc. With an FP8 latent cache (kernels.fp8_kv) the latent c is dequantized on load
 to the query's dtype. sparse_mla_torch is the plain-PyTorch reference of the same
 interface.
@@ -32,9 +33,9 @@ def _sparse_mla_kernel(
     BLOCK_H: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
     FP8_TILE: tl.constexpr,
 ):
-    row = tl.program_id(0)
+    row = tl.program_id(0)  # one query row, heads [BLOCK_H * program_id(1), ...) of it
     req = tl.load(row_req_ptr + row).to(tl.int64)
-    offs_h = tl.arange(0, BLOCK_H)
+    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     offs_c = tl.arange(0, BLOCK_C)
     offs_r = tl.arange(0, BLOCK_R)
     mask_h = offs_h < H
@@ -75,12 +76,13 @@ def _sparse_mla_kernel(
 
 
 def sparse_mla(q: torch.Tensor, kv_cache: torch.Tensor, req_to_token: torch.Tensor, row_req: torch.Tensor,
-               selected: torch.Tensor, rank: int, scale: float, block_n: int = 32,
+               selected: torch.Tensor, rank: int, scale: float, block_n: int = 32, block_h: int = 32,
                kv_scale: torch.Tensor | None = None, kv_rope: torch.Tensor | None = None) -> torch.Tensor:
     """q: [R, H, rank + rope] absorbed queries; kv_cache: [slots, rank + rope] latent rows;
     req_to_token: [reqs, max_len]; row_req: [R]; selected: [R, topk] positions (-1 = none).
     FP8 (kernels.fp8_kv): kv_cache is e4m3 [slots, rank], kv_scale [slots, rank // tile]
-    fp32 and kv_rope [slots, rope]. Returns [R, H, rank] in q's dtype."""
+    fp32 and kv_rope [slots, rope]. block_h heads share a program (and its latent loads).
+    Returns [R, H, rank] in q's dtype."""
     R, H, width = q.shape
     rope = width - rank
     q, kv_cache, selected = q.contiguous(), kv_cache.contiguous(), selected.contiguous()
@@ -96,12 +98,13 @@ def sparse_mla(q: torch.Tensor, kv_cache: torch.Tensor, req_to_token: torch.Tens
         kv_scale, kv_rope = kv_cache, kv_cache[:, rank:]  # rope read from the latent row itself
     out = torch.empty(R, H, rank, dtype=q.dtype, device=q.device)
     if R:
-        _sparse_mla_kernel[(R,)](
+        block_h = min(max(16, triton.next_power_of_2(block_h)), max(16, triton.next_power_of_2(H)))
+        _sparse_mla_kernel[(R, triton.cdiv(H, block_h))](
             q, kv_cache, kv_rope, kv_scale, req_to_token, row_req, selected, out,
             q.stride(0), q.stride(1), kv_cache.stride(0), kv_rope.stride(0), kv_scale.stride(0),
             req_to_token.stride(0), selected.stride(0), out.stride(0), out.stride(1),
             H, rank, rope, selected.shape[1], scale,
-            BLOCK_H=max(16, triton.next_power_of_2(H)), BLOCK_C=max(16, triton.next_power_of_2(rank)),
+            BLOCK_H=block_h, BLOCK_C=max(16, triton.next_power_of_2(rank)),
             BLOCK_R=max(16, triton.next_power_of_2(max(rope, 1))), BLOCK_N=block_n, FP8_TILE=tile,
         )
     return out

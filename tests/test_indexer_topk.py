@@ -53,12 +53,13 @@ SHAPES = [
 
 @pytest.mark.parametrize("row_lens, reqs, H, D, topk", SHAPES)
 @pytest.mark.parametrize("dtype", KERNEL_DTYPES)
-@pytest.mark.parametrize("block_m", [1, 4])
-def test_exact_inputs_match_reference_including_ties(row_lens, reqs, H, D, topk, dtype, block_m):
+@pytest.mark.parametrize("block_m, programs", [(1, 1), (4, 1), (1, 64)])
+def test_exact_inputs_match_reference_including_ties(row_lens, reqs, H, D, topk, dtype, block_m, programs):
     """Small integers: exact scores, many exact ties (relu zeros, repeated values); rows
-    one per program, and in blocks of up to 4 rows of a request sharing K tiles."""
+    one per program, and in blocks of up to 4 rows of a request sharing K tiles; the
+    whole history in one program, or split across programs and merged (programs=64)."""
     args = _case(row_lens, reqs, H, D, max(max(row_lens), 1), integer=True, dtype=dtype)
-    idx, scores = indexer_topk(*args, topk, return_scores=True, block_s=16, block_m=block_m)
+    idx, scores = indexer_topk(*args, topk, return_scores=True, block_s=16, block_m=block_m, programs=programs)
     ref_idx, ref_scores = indexer_topk_torch(*args, topk, return_scores=True)
     assert torch.equal(idx.cpu(), ref_idx.cpu())
     assert torch.equal(scores.cpu(), ref_scores.cpu())
@@ -104,7 +105,7 @@ def test_mxfp8_exact_inputs_match_reference_including_ties(row_lens, reqs, H, D,
 def test_mxfp8_random_inputs_match_reference(row_lens, reqs, H, D, topk):
     args, scales = _mxfp8(_case(row_lens, reqs, H, D, max(row_lens), integer=False, dtype=torch.float32,
                                 seed=1), 16)
-    idx, scores = indexer_topk(*args, topk, return_scores=True, block_s=16, **scales)
+    idx, scores = indexer_topk(*args, topk, return_scores=True, block_s=16, programs=64, **scales)
     ref_idx, ref_scores = indexer_topk_torch(*args, topk, return_scores=True, **scales)
     _assert_match_up_to_near_ties(idx, scores, ref_idx, ref_scores)
 

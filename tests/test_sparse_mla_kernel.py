@@ -20,6 +20,7 @@ SHAPES = [
     ([10, 40], [10, 16], 16, 3, 16, 16),     # K larger than the history (-1 padding), full selection
     ([100, 100, 7], [33, 64, 7], 64, 16, 64, 32),  # several blocks, ragged selections
     ([5], [0], 8, 2, 16, 8),                 # nothing selected: zeros
+    ([50, 20], [24, 20], 32, 40, 32, 16),    # heads over three programs of 16, the last partial
 ]
 
 
@@ -42,7 +43,7 @@ def test_sparse_mla_matches_reference(hist, counts, topk, H, rank, rope, dtype):
     tol = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}[dtype]
     q, kv, table, rows, selected = _case(hist, counts, topk, H, rank, rope, dtype)
     scale = (rank + rope) ** -0.5
-    out = sparse_mla(q, kv, table, rows, selected, rank, scale, block_n=16)
+    out = sparse_mla(q, kv, table, rows, selected, rank, scale, block_n=16, block_h=16)
     ref = sparse_mla_torch(q, kv, table, rows, selected, rank, scale)
     torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol)
     if not any(counts):
@@ -62,7 +63,7 @@ def test_sparse_mla_fp8_latent_matches_reference(hist, counts, topk, H, rank, ro
     data, kv_scale = quantize_kv_fp8_torch(kv[:, :rank].float(), 16)
     kv_rope = kv[:, rank:].contiguous()
     scale = (rank + rope) ** -0.5
-    out = sparse_mla(q, data, table, rows, selected, rank, scale, block_n=16, kv_scale=kv_scale, kv_rope=kv_rope)
+    out = sparse_mla(q, data, table, rows, selected, rank, scale, block_n=16, block_h=16, kv_scale=kv_scale, kv_rope=kv_rope)
     ref = sparse_mla_torch(q, data, table, rows, selected, rank, scale, kv_scale=kv_scale, kv_rope=kv_rope)
     torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol)
     # The FP8 latent only rounds the cache: the result stays near the unquantized one.
