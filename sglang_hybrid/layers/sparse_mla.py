@@ -8,9 +8,17 @@ rank, so all ranks select the same Top-K. Its optional RoPE covers the first
 index_rope_head_dim dims; the optional Hadamard rotation follows it. The rotation
 is orthogonal and applied to both q and k, so exact scores would not change; it
 spreads outliers across each vector before the MXFP8 index cache rounds it.
+
+The indexer's inputs are prepared on three CUDA streams (index q projection, rotation
+and MXFP8 quantization on the current one; index k with its norm on a second; the
+head weights on a third), joined once before the backend runs the indexer. The side
+streams first wait on the current one, so this is capturable in a CUDA graph; on
+CPU everything runs in order.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 from torch import nn
@@ -22,6 +30,7 @@ from sglang.srt.model_executor.forward_context import get_attn_backend
 from sglang.srt.runtime_context import get_parallel
 
 from sglang_hybrid.configs.hybrid_linear_sparse import HybridLinearSparseConfig
+from sglang_hybrid.kernels import mxfp8
 from sglang_hybrid.layers.rms_norm import RMSNorm
 from sglang_hybrid.reference.ops import hadamard_matrix
 
@@ -48,6 +57,13 @@ class IndexerRope(nn.Module):
         return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest], dim=-1)
 
 
+@functools.cache
+def _side_streams(device: torch.device) -> tuple[torch.cuda.Stream, torch.cuda.Stream]:
+    """Two streams per device, shared by every indexer: each layer forks onto them and
+    joins back, so no tensor made on them outlives the current stream's reads unordered."""
+    return torch.cuda.Stream(device), torch.cuda.Stream(device)
+
+
 class Indexer(nn.Module):
     def __init__(self, config: HybridLinearSparseConfig, quant_config=None, prefix: str = ""):
         super().__init__()
@@ -60,6 +76,7 @@ class Indexer(nn.Module):
         self.weights_proj = ReplicatedLinear(D, self.n_heads, bias=False, quant_config=None, prefix=f"{prefix}.weights_proj")
         self.rope = IndexerRope(config.index_rope_head_dim, config.rope_theta, config.max_position_embeddings)
         self.weight_scale = (self.n_heads * self.head_dim) ** -0.5
+        self.q_group = config.index_mxfp8_group  # queries take the index cache's format
         self.use_hadamard = config.index_use_hadamard
         if self.use_hadamard:
             self.register_buffer("hadamard", hadamard_matrix(self.head_dim, torch.float32), persistent=False)
@@ -68,12 +85,36 @@ class Indexer(nn.Module):
         t = self.rope(t, positions)
         return (t.float() @ self.hadamard).to(t.dtype) if self.use_hadamard else t
 
-    def forward(self, x, q_latent, positions):
-        """(index q [T, Hi, D], head weights [T, Hi] with all scales folded in, index k [T, D])."""
+    def _q(self, q_latent, positions):
         q = self._rotate(self.wq_b(q_latent)[0].view(-1, self.n_heads, self.head_dim), positions)
-        k = self._rotate(self.k_norm(self.wk(x)[0].float()).to(x.dtype), positions)
-        weights = self.weights_proj(x)[0].float() * self.weight_scale
-        return q, weights, k
+        if self.q_group is None:
+            return q, None
+        quantize = mxfp8.quantize_mxfp8 if q.is_cuda else mxfp8.quantize_mxfp8_torch
+        return quantize(q, self.q_group)
+
+    def _k(self, x, positions):
+        return self._rotate(self.k_norm(self.wk(x)[0].float()).to(x.dtype), positions)
+
+    def _weights(self, x):
+        return self.weights_proj(x)[0].float() * self.weight_scale
+
+    def forward(self, x, q_latent, positions):
+        """(index q [T, Hi, D], its MXFP8 scales [T, Hi, D // group] or None, head weights
+        [T, Hi] with all scales folded in, index k [T, D] (quantized by the cache store))."""
+        if not x.is_cuda:
+            return *self._q(q_latent, positions), self._weights(x), self._k(x, positions)
+        main = torch.cuda.current_stream()
+        k_stream, w_stream = _side_streams(x.device)
+        k_stream.wait_stream(main)
+        w_stream.wait_stream(main)
+        with torch.cuda.stream(k_stream):
+            k = self._k(x, positions)
+        with torch.cuda.stream(w_stream):
+            weights = self._weights(x)
+        q, q_scale = self._q(q_latent, positions)
+        main.wait_stream(k_stream)  # the one synchronization point before the indexer
+        main.wait_stream(w_stream)
+        return q, q_scale, weights, k
 
 
 class SparseMLAMixer(nn.Module):
@@ -123,10 +164,10 @@ class SparseMLAMixer(nn.Module):
         kv = self.kv_a_proj_with_mqa(hidden_states)[0]
         latent = self.kv_a_layernorm(kv[:, : self.rank].contiguous())
         k = torch.cat([latent, kv[:, self.rank :]], dim=-1).unsqueeze(1)
-        index_q, index_weights, index_k = self.indexer(hidden_states, q_latent, positions)
+        index_q, index_q_scale, index_weights, index_k = self.indexer(hidden_states, q_latent, positions)
         out = get_attn_backend().forward(
             q_absorbed, k, latent.unsqueeze(1), self.attn, forward_batch, True,
-            index_q=index_q, index_k=index_k, index_weights=index_weights,
+            index_q=index_q, index_q_scale=index_q_scale, index_k=index_k, index_weights=index_weights,
         )
         out = torch.einsum("thr,hrv->thv", out.view(T, H, self.rank), self.w_vc)
         return self.o_proj(out.reshape(T, H * self.v_dim))[0]

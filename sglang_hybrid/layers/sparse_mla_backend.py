@@ -9,8 +9,8 @@ chunked prefill on a cached prefix). One fused kernel scores every visible posit
 and keeps the Top-K (reference.ops.topk_positions's order and tie rule); a second
 gathers those latent rows from the paged pool and attends over them only. The
 output is the latent attention result [T, H * kv_lora_rank]; the layer applies W_vc.
-With an MXFP8 index cache (config index_cache_dtype) the queries are quantized to
-the same format and the Top-K kernel dequantizes both on load; with the FP8 latent
+With an MXFP8 index cache (config index_cache_dtype) the queries come quantized to
+the same format (layers.sparse_mla.Indexer) and the Top-K kernel dequantizes both on load; with the FP8 latent
 cache (--kv-cache-dtype fp8_e4m3) the attention kernel dequantizes c on load.
 
 On a GPU the two are the Triton kernels of sglang_hybrid.kernels; elsewhere their
@@ -25,7 +25,7 @@ import torch
 from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 
-from sglang_hybrid.kernels import indexer_topk, mxfp8, sparse_mla
+from sglang_hybrid.kernels import indexer_topk, sparse_mla
 
 # Extend rows of one request share each index-K tile in blocks of this many rows.
 _EXTEND_ROW_BLOCK = 4
@@ -42,10 +42,8 @@ class SparseMLAAttnBackend(AttentionBackend):
         self.token_to_kv_pool = model_runner.token_to_kv_pool
         if str(model_runner.device).startswith("cuda"):
             self.select, self.attend = indexer_topk.indexer_topk, sparse_mla.sparse_mla
-            self.quantize = mxfp8.quantize_mxfp8
         else:
             self.select, self.attend = indexer_topk.indexer_topk_torch, sparse_mla.sparse_mla_torch
-            self.quantize = mxfp8.quantize_mxfp8_torch
 
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int):
         pass
@@ -59,7 +57,7 @@ class SparseMLAAttnBackend(AttentionBackend):
     def _pool_layer(self, layer_id: int) -> int:
         return self.token_to_kv_pool.full_attention_layer_id_mapping[layer_id]
 
-    def _forward(self, q, k, v, layer, forward_batch, save_kv_cache, index_q, index_k, index_weights,
+    def _forward(self, q, k, v, layer, forward_batch, save_kv_cache, index_q, index_q_scale, index_k, index_weights,
                  row_req, row_len, **select_options):
         pool_layer, pool = self._pool_layer(layer.layer_id), self.token_to_kv_pool.full_kv_pool
         if save_kv_cache:
@@ -69,9 +67,10 @@ class SparseMLAAttnBackend(AttentionBackend):
         kv = self.token_to_kv_pool.get_key_buffer(layer.layer_id)[:, 0]  # [slots, rank + rope], or FP8 c [slots, rank]
         kv_scale, kv_rope = pool.get_latent_fp8(pool_layer)
         ik, k_scale = pool.get_index_k_buffer(pool_layer)
-        if k_scale is not None:  # MXFP8 index cache: the queries take the same format
-            index_q, q_scale = self.quantize(index_q, index_q.shape[-1] // k_scale.shape[-1])
-            select_options.update(q_scale=q_scale, k_scale=k_scale)
+        if (k_scale is None) != (index_q_scale is None):
+            raise ValueError("the index queries and the index-K cache must both be MXFP8 or both not")
+        if k_scale is not None:
+            select_options.update(q_scale=index_q_scale, k_scale=k_scale)
         H, rank = layer.tp_q_head_num, layer.v_head_dim
         selected = self.select(index_q, index_weights, ik, self.req_to_token, row_req, row_len, self.topk,
                                **select_options)
@@ -80,17 +79,17 @@ class SparseMLAAttnBackend(AttentionBackend):
         return out.reshape(-1, H * rank)
 
     def forward_extend(self, q, k, v, layer, forward_batch: ForwardBatch, save_kv_cache=True, *,
-                       index_q, index_k, index_weights, **kwargs):
+                       index_q, index_q_scale, index_k, index_weights, **kwargs):
         mode = forward_batch.forward_mode
         if mode.is_target_verify() or mode.is_draft_extend_v2():
             raise NotImplementedError(f"speculative decoding ({mode.name}) is not supported by the sparse MLA backend yet")
         row_req = torch.repeat_interleave(forward_batch.req_pool_indices, forward_batch.extend_seq_lens,
                                           output_size=q.shape[0])
         options = {"block_m": _EXTEND_ROW_BLOCK} if self.select is indexer_topk.indexer_topk else {}
-        return self._forward(q, k, v, layer, forward_batch, save_kv_cache, index_q, index_k, index_weights,
-                             row_req, forward_batch.positions + 1, **options)
+        return self._forward(q, k, v, layer, forward_batch, save_kv_cache, index_q, index_q_scale, index_k,
+                             index_weights, row_req, forward_batch.positions + 1, **options)
 
     def forward_decode(self, q, k, v, layer, forward_batch: ForwardBatch, save_kv_cache=True, *,
-                       index_q, index_k, index_weights, **kwargs):
-        return self._forward(q, k, v, layer, forward_batch, save_kv_cache, index_q, index_k, index_weights,
-                             forward_batch.req_pool_indices, forward_batch.seq_lens)
+                       index_q, index_q_scale, index_k, index_weights, **kwargs):
+        return self._forward(q, k, v, layer, forward_batch, save_kv_cache, index_q, index_q_scale, index_k,
+                             index_weights, forward_batch.req_pool_indices, forward_batch.seq_lens)
