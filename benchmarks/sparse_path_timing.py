@@ -17,8 +17,10 @@ Prefill: one request of {8K, 32K, 64K} tokens, every row causal.
 
     python benchmarks/sparse_path_timing.py --out $OUT/sparse_path_timing.json [--quick]
 
-Times are medians of CUDA-event timings (triton.testing.do_bench). The JSON is rewritten
-after every case, so a run cut short keeps what it measured.
+Times are medians of CUDA-event timings: decode cases replay CUDA graphs, as serving
+does (triton.testing.do_bench_cudagraph, no launch overhead), prefill cases run eagerly
+(do_bench). The history's pages of 64 positions are scattered over the pool. The JSON
+is rewritten after every case, so a run cut short keeps what it measured.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import json
 import traceback
 
 import torch
-from triton.testing import do_bench
+from triton.testing import do_bench, do_bench_cudagraph
 
 from sglang_hybrid.kernels import fp8_kv, indexer_topk, mxfp8, sparse_mla
 
@@ -39,15 +41,20 @@ CHUNK_BYTES = 2 << 30  # the unfused path's logits per row chunk
 def hbm_copy_gbps() -> float:
     x = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")  # 1 GiB, far beyond L2
     y = torch.empty_like(x)
-    return 2 * x.numel() / do_bench(lambda: y.copy_(x)) / 1e6  # read + write, GB/s
+    return 2 * x.numel() / bench(lambda: y.copy_(x)) / 1e6  # read + write, GB/s
 
 
 def gemm_tflops() -> float:
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    return 2 * 8192**3 / do_bench(lambda: a @ a) / 1e9
+    return 2 * 8192**3 / bench(lambda: a @ a) / 1e9
 
 
-def timed(fn) -> tuple[float, int]:
+def bench(fn, graph: bool = False) -> float:
+    """Median ms, replaying a CUDA graph of fn when graph is set."""
+    return do_bench_cudagraph(fn, return_mode="median") if graph else do_bench(fn, return_mode="median")
+
+
+def timed(fn, graph: bool) -> tuple[float, int]:
     """(median ms, bytes allocated beyond what was live before the call)."""
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
@@ -55,12 +62,14 @@ def timed(fn) -> tuple[float, int]:
     fn()
     torch.cuda.synchronize()
     extra = torch.cuda.max_memory_allocated() - base
-    return do_bench(fn), extra
+    return bench(fn, graph), extra
 
 
-def paged_history(reqs: int, length: int, width: int, g):
-    """A bf16 pool with each request's positions scattered over the slots, and its table."""
-    slots = torch.randperm(reqs * length, device="cuda", generator=g).view(reqs, length).to(torch.int32)
+def paged_history(reqs: int, length: int, width: int, g, page: int = 64):
+    """A bf16 pool whose pages of `page` positions are scattered over the slots (a
+    fragmented paged allocator), and its table."""
+    pages = torch.randperm(reqs * length // page, device="cuda", generator=g)
+    slots = (pages[:, None] * page + torch.arange(page, device="cuda")).view(reqs, length).to(torch.int32)
     cache = torch.randn(reqs * length, width, device="cuda", generator=g, dtype=torch.bfloat16)
     return cache, slots
 
@@ -113,15 +122,17 @@ def bench_indexer(rows, reqs, length, row_len, row_req, g, bw, tflops, block_ms,
     out.update(visible_positions=visible, bytes_floor_bf16=bytes_bf16, bytes_floor_mxfp8=bytes_mxfp8,
                flops=flops, floor_ms_bytes_bf16=bytes_bf16 / bw / 1e6, floor_ms_flops=flops / tflops / 1e9)
     for block_m in block_ms:
-        tag = f"block_m={block_m}"
-        out[f"fused_bf16_ms[{tag}]"], out[f"fused_bf16_extra_bytes[{tag}]"] = timed(
-            lambda: indexer_topk.indexer_topk(q, w, k, table, row_req, row_len, TOPK, block_m=block_m))
-        out[f"fused_mxfp8_ms[{tag}]"], _ = timed(
-            lambda: indexer_topk.indexer_topk(qd, w, kd, table, row_req, row_len, TOPK, block_m=block_m,
-                                              q_scale=qs, k_scale=ks))
+        for warps in (4, 8):
+            tag = f"block_m={block_m},num_warps={warps}"
+            opts = dict(block_m=block_m, num_warps=warps)
+            out[f"fused_bf16_ms[{tag}]"], out[f"fused_bf16_extra_bytes[{tag}]"] = timed(
+                lambda: indexer_topk.indexer_topk(q, w, k, table, row_req, row_len, TOPK, **opts), decode)
+            out[f"fused_mxfp8_ms[{tag}]"], _ = timed(
+                lambda: indexer_topk.indexer_topk(qd, w, kd, table, row_req, row_len, TOPK, q_scale=qs, k_scale=ks,
+                                                  **opts), decode)
     if decode:
         out["fused_bf16_no_split_ms"], _ = timed(
-            lambda: indexer_topk.indexer_topk(q, w, k, table, row_req, row_len, TOPK, programs=1))
+            lambda: indexer_topk.indexer_topk(q, w, k, table, row_req, row_len, TOPK, programs=1), decode)
         # Split-K must not change the selection: same keys, merged (a check, not a timing).
         split = indexer_topk.indexer_topk(q, w, k, table, row_req, row_len, TOPK)
         out["split_equals_no_split"] = bool(torch.equal(
@@ -132,7 +143,7 @@ def bench_indexer(rows, reqs, length, row_len, row_req, g, bw, tflops, block_ms,
         fn = lambda: unfused_indexer(q, w, k, table, row_req, row_len, TOPK)  # noqa: E731
     else:
         fn = lambda: unfused_indexer_one_request(q, w, k, table, row_len, TOPK)  # noqa: E731
-    out["unfused_ms"], out["unfused_extra_bytes"] = timed(fn)
+    out["unfused_ms"], out["unfused_extra_bytes"] = timed(fn, decode)
     out["speedup_vs_unfused_bf16"] = out["unfused_ms"] / best
     out["speedup_vs_unfused_mxfp8"] = out["unfused_ms"] / best_mx
     out["fraction_of_hbm_bf16"] = out["floor_ms_bytes_bf16"] / best
@@ -144,7 +155,7 @@ def bench_indexer(rows, reqs, length, row_len, row_req, g, bw, tflops, block_ms,
     return out, table, selected
 
 
-def bench_sparse_mla(rows, reqs, length, table, row_req, selected, g, bw, tflops):
+def bench_sparse_mla(rows, reqs, length, table, row_req, selected, g, bw, tflops, graph):
     out = {}
     kv, _ = paged_history(reqs, length, RANK + ROPE, g)
     q = torch.randn(rows, H, RANK + ROPE, device="cuda", generator=g, dtype=torch.bfloat16)
@@ -155,8 +166,8 @@ def bench_sparse_mla(rows, reqs, length, table, row_req, selected, g, bw, tflops
     out["bytes_floor_fp8"] = n_sel * (RANK + RANK // 128 * 4 + ROPE * 2) + io
     out["flops"] = 2 * n_sel * H * (RANK + ROPE + RANK)
     for block_h in (16, 32, 64):
-        out[f"kernel_bf16_ms[block_h={block_h}]"] = do_bench(
-            lambda: sparse_mla.sparse_mla(q, kv, table, row_req, selected, RANK, scale, block_h=block_h))
+        out[f"kernel_bf16_ms[block_h={block_h}]"] = bench(
+            lambda: sparse_mla.sparse_mla(q, kv, table, row_req, selected, RANK, scale, block_h=block_h), graph)
     outs = [sparse_mla.sparse_mla(q, kv, table, row_req, selected, RANK, scale, block_h=b).float() for b in (16, 64)]
     out["block_h_16_vs_64_max_abs_diff"] = float((outs[0] - outs[1]).abs().max())  # the same math, split differently
     del outs
@@ -165,14 +176,14 @@ def bench_sparse_mla(rows, reqs, length, table, row_req, selected, g, bw, tflops
     best = out[f"kernel_bf16_ms[block_h={best_h}]"]
     data, kscale = fp8_kv.quantize_kv_fp8_torch(kv[:, :RANK])
     rope = kv[:, RANK:].contiguous()
-    out["kernel_fp8_ms"] = do_bench(lambda: sparse_mla.sparse_mla(q, data, table, row_req, selected, RANK, scale,
-                                                                 block_h=best_h, kv_scale=kscale, kv_rope=rope))
+    out["kernel_fp8_ms"] = bench(lambda: sparse_mla.sparse_mla(q, data, table, row_req, selected, RANK, scale,
+                                                              block_h=best_h, kv_scale=kscale, kv_rope=rope), graph)
     out["fraction_of_hbm_bf16"] = out["bytes_floor_bf16"] / bw / 1e6 / best
     out["fraction_of_hbm_fp8"] = out["bytes_floor_fp8"] / bw / 1e6 / out["kernel_fp8_ms"]
     out["fraction_of_gemm_bf16"] = out["flops"] / tflops / 1e9 / best
     if rows * TOPK * (RANK + ROPE) * 4 <= CHUNK_BYTES:  # the reference gathers [rows, topk, width] fp32
-        out["torch_reference_ms"] = do_bench(
-            lambda: sparse_mla.sparse_mla_torch(q, kv, table, row_req, selected, RANK, scale))
+        out["torch_reference_ms"] = bench(
+            lambda: sparse_mla.sparse_mla_torch(q, kv, table, row_req, selected, RANK, scale), graph)
         out["speedup_vs_torch"] = out["torch_reference_ms"] / best
     return out
 
@@ -190,7 +201,8 @@ def main() -> None:
     prefill = [8192, 32768, 65536] if not args.quick else [4096]
     cases = [("decode", b, L) for b, L in decode] + [("prefill", 1, L) for L in prefill]
     for kind, reqs, length in cases:
-        case = {"kind": kind, "requests": reqs, "history": length}
+        case = {"kind": kind, "requests": reqs, "history": length,
+                "timing": "cuda_graph" if kind == "decode" else "eager"}
         try:
             if kind == "decode":
                 rows = reqs
@@ -204,7 +216,8 @@ def main() -> None:
                 block_ms = (4, 8)
             case["indexer"], table, selected = bench_indexer(rows, reqs, length, row_len, row_req, g, bw, tflops,
                                                              block_ms, kind == "decode")
-            case["sparse_mla"] = bench_sparse_mla(rows, reqs, length, table, row_req, selected, g, bw, tflops)
+            case["sparse_mla"] = bench_sparse_mla(rows, reqs, length, table, row_req, selected, g, bw, tflops,
+                                                  kind == "decode")
         except Exception:  # record it and go on: one shape's failure says nothing about the others
             case["error"] = traceback.format_exc(limit=3)
         torch.cuda.empty_cache()

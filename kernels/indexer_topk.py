@@ -177,6 +177,7 @@ def indexer_topk(
     q_scale: torch.Tensor | None = None,
     k_scale: torch.Tensor | None = None,
     programs: int | None = None,
+    num_warps: int = 4,
 ):
     """Top-K history positions per query row.
 
@@ -191,7 +192,8 @@ def indexer_topk(
     programs: about how many programs to run (default: 2 per SM). When there are fewer row
     blocks, the history is split across programs (split-K, as in flash-decoding) and the
     splits' Top-Ks are merged by one torch.topk over their keys: a few KP-wide rows per
-    query row, never a score per position.
+    query row, never a score per position. num_warps: per program (the running Top-K
+    lives in registers: more warps, fewer spills).
     Returns positions [R, topk] int32 (-1 padded), and their fp32 scores if asked.
     """
     R, H, D = q.shape
@@ -236,7 +238,7 @@ def indexer_topk(
             q_scale.stride(0), q_scale.stride(1), k_scale.stride(0),
             H, topk, split_len,
             D=D, BLOCK_M=block_m, BLOCK_H=block_h, BLOCK_S=block_s, KP=kp, WRITE_SCORES=return_scores,
-            GROUP=group, DOT_DTYPE=dot_dtype, SPLIT=splits > 1,
+            GROUP=group, DOT_DTYPE=dot_dtype, SPLIT=splits > 1, num_warps=num_warps,
         )
         if splits > 1:
             pos, best = _merge_splits(part, topk)

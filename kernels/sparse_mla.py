@@ -55,9 +55,12 @@ def _sparse_mla_kernel(
         kv_c = tl.load(kv_ptr + slot[:, None] * stride_kv + offs_c[None, :],
                        mask=valid[:, None] & (offs_c[None, :] < RANK), other=0.0)
         if FP8_TILE:  # dequantize on load, rounded to the query's dtype (kernels.fp8_kv)
-            ks = tl.load(ks_ptr + slot[:, None] * stride_ks + (offs_c // FP8_TILE)[None, :],
-                         mask=valid[:, None] & (offs_c[None, :] < RANK), other=0.0)
-            kv_c = (kv_c.to(tl.float32) * ks).to(q_c.dtype)
+            # One scale load per tile, broadcast over its FP8_TILE channels.
+            offs_t = tl.arange(0, BLOCK_C // FP8_TILE)
+            ks = tl.load(ks_ptr + slot[:, None] * stride_ks + offs_t[None, :],
+                         mask=valid[:, None] & (offs_t[None, :] < RANK // FP8_TILE), other=0.0)
+            kv_c = tl.reshape(tl.reshape(kv_c.to(tl.float32), [BLOCK_N, BLOCK_C // FP8_TILE, FP8_TILE])
+                              * ks[:, :, None], [BLOCK_N, BLOCK_C]).to(q_c.dtype)
         kv_r = tl.load(rope_ptr + slot[:, None] * stride_rope + offs_r[None, :],
                        mask=valid[:, None] & (offs_r[None, :] < ROPE), other=0.0)
         logits = tl.dot(q_c, tl.trans(kv_c.to(q_c.dtype))) + tl.dot(q_r, tl.trans(kv_r.to(q_r.dtype)))
@@ -91,6 +94,8 @@ def sparse_mla(q: torch.Tensor, kv_cache: torch.Tensor, req_to_token: torch.Tens
     tile = 0
     if kv_scale is not None:
         tile = rank // kv_scale.shape[-1]
+        if tile & (tile - 1):
+            raise ValueError(f"the FP8 latent tile must be a power of two, got {tile}")
         if kv_cache.shape[-1] != rank or kv_rope.shape[-1] != rope or rank % kv_scale.shape[-1]:
             raise ValueError(f"FP8 latent cache {tuple(kv_cache.shape)} / scales {tuple(kv_scale.shape)} / rope "
                              f"{tuple(kv_rope.shape)} do not match rank {rank} + rope {rope}")

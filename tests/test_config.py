@@ -52,6 +52,7 @@ def tiny(**changes) -> dict:
     ({"index_cache_dtype": "mxfp8", "index_quant_group_size": 24}, "index_quant_group_size"),
     ({"index_cache_dtype": "mxfp8", "index_quant_group_size": 256}, "index_quant_group_size"),  # above index_head_dim
     ({"kv_cache_quant_tile": 24}, "kv_cache_quant_tile"),  # does not divide kv_lora_rank
+    ({"kv_lora_rank": 48, "kv_cache_quant_tile": 12}, "kv_cache_quant_tile"),  # divides it, not a power of two
     ({"hidden_act": "gelu"}, "hidden_act"),
     ({"num_experts_per_token": 9}, "num_experts_per_token"),
     ({"num_expert_group": 3}, "num_expert_group"),

@@ -320,8 +320,9 @@ class HybridLinearSparseConfig(PretrainedConfig):
                 raise ConfigError("index_quant_group_size",
                                   f"must be a power of two dividing index_head_dim = {d}, got {gs!r}")
         t = self.kv_cache_quant_tile
-        if not isinstance(t, int) or t <= 0 or self.kv_lora_rank % t:
-            raise ConfigError("kv_cache_quant_tile", f"must be a positive int dividing kv_lora_rank = {self.kv_lora_rank}, got {t!r}")
+        if not isinstance(t, int) or t <= 0 or t & (t - 1) or self.kv_lora_rank % t:
+            raise ConfigError("kv_cache_quant_tile",
+                              f"must be a power of two dividing kv_lora_rank = {self.kv_lora_rank}, got {t!r}")
         if self.attn_res_block_size is not None:
             _positive_int(self, "attn_res_block_size")
         if self.hidden_act != "silu":
