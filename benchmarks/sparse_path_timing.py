@@ -9,7 +9,7 @@ Prefill: one request of {8K, 32K, 64K} tokens, every row causal.
   history] through HBM, relu, head-weighted sum, torch.topk; processed in row chunks so
   its memory stays bounded), with the extra memory each path allocates;
 - sparse MLA: `sparse_mla` (BF16 and FP8 latent) against its gather + softmax PyTorch
-  reference (where the gather fits);
+  reference (where the gather fits) and sgl-kernel's FlashMLA sparse kernel (BF16);
 - floors: the bytes each kernel must read (index-K rows of every visible position; the
   selected latent rows) at the device-to-device copy bandwidth measured here, and its
   FLOPs at the bf16 GEMM throughput measured here. fraction_of_hbm = floor time from
@@ -32,7 +32,7 @@ import traceback
 import torch
 from triton.testing import do_bench, do_bench_cudagraph
 
-from sglang_hybrid.kernels import fp8_kv, indexer_topk, mxfp8, sparse_mla
+from sglang_hybrid.kernels import flashmla_sparse, fp8_kv, indexer_topk, mxfp8, sparse_mla
 
 HI, D, TOPK, H, RANK, ROPE = 64, 128, 2048, 128, 512, 64
 CHUNK_BYTES = 2 << 30  # the unfused path's logits per row chunk
@@ -130,6 +130,13 @@ def bench_indexer(rows, reqs, length, row_len, row_req, g, bw, tflops, block_ms,
             out[f"fused_mxfp8_ms[{tag}]"], _ = timed(
                 lambda: indexer_topk.indexer_topk(qd, w, kd, table, row_req, row_len, TOPK, q_scale=qs, k_scale=ks,
                                                   **opts), decode)
+    # The first version of the running Top-K (a full sort every KP positions), for comparison.
+    out["fused_bf16_sort_every_kp_ms"], _ = timed(
+        lambda: indexer_topk.indexer_topk(q, w, k, table, row_req, row_len, TOPK, block_m=block_ms[0],
+                                          compact=False), decode)
+    out["compact_equals_sort_every_kp"] = bool(torch.equal(
+        indexer_topk.indexer_topk(q, w, k, table, row_req, row_len, TOPK, block_m=block_ms[0]),
+        indexer_topk.indexer_topk(q, w, k, table, row_req, row_len, TOPK, block_m=block_ms[0], compact=False)))
     if decode:
         out["fused_bf16_no_split_ms"], _ = timed(
             lambda: indexer_topk.indexer_topk(q, w, k, table, row_req, row_len, TOPK, programs=1), decode)
@@ -176,6 +183,12 @@ def bench_sparse_mla(rows, reqs, length, table, row_req, selected, g, bw, tflops
     best = out[f"kernel_bf16_ms[block_h={best_h}]"]
     data, kscale = fp8_kv.quantize_kv_fp8_torch(kv[:, :RANK])
     rope = kv[:, RANK:].contiguous()
+    try:  # sgl-kernel's FlashMLA sparse kernel on the same BF16 latent (kernels.flashmla_sparse)
+        out["flashmla_bf16_ms"] = bench(lambda: flashmla_sparse.sparse_mla_flashmla(q, kv, table, row_req, selected,
+                                                                                   RANK, scale), graph)
+        out["ours_vs_flashmla"] = out["flashmla_bf16_ms"] / best
+    except Exception as e:  # noqa: BLE001  (recorded: where FlashMLA does not run here)
+        out["flashmla_error"] = repr(e)
     out["kernel_fp8_ms"] = bench(lambda: sparse_mla.sparse_mla(q, data, table, row_req, selected, RANK, scale,
                                                               block_h=best_h, kv_scale=kscale, kv_rope=rope), graph)
     out["fraction_of_hbm_bf16"] = out["bytes_floor_bf16"] / bw / 1e6 / best

@@ -17,10 +17,12 @@ one int64 key whose signed order is (score, -position): the score's float bits
 mapped to an order-preserving int32 in the high word, 2^31 - 1 - position in the
 low word. Merging is a sort of those keys, so the selection is deterministic.
 
-The running Top-K is a sorted buffer of KP = next_pow2(K) keys plus a pending
-block of KP keys filled tile by tile; when the pending block is full, the 2*KP
-keys are sorted and the best KP kept. Cost per position: one K-row load, H dot
-products, and O(log^2 KP) amortised sort work. A program serves up to block_m
+The running Top-K is a sorted buffer of KP = next_pow2(K) keys. Each tile's keys
+are sorted (BLOCK_S of them) and only those that beat the running KP-th best are
+appended to a small pending buffer; when it fills, it is sorted and merged in with
+one bitonic merge (log2 KP stages). Over a history of n positions only about
+K (1 + ln(n / K)) keys ever qualify, so the merge work shrinks with n; per position
+the cost is one K-row load, H dot products and a short tile sort. A program serves up to block_m
 consecutive rows of one request (the rows of a prefill chunk or of a verify step):
 each K tile is loaded once for all of them, one dot gives every row's logits, and
 the rows keep their running Top-Ks side by side.
@@ -61,6 +63,41 @@ def _e8m0(byte):
 
 
 @triton.jit
+def _tile_keys(s0, n, n_max, req, q, w, table_ptr, k_ptr, ks_ptr, stride_table, stride_k, stride_ks, offs_d,
+               NONE: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr,
+               BLOCK_S: tl.constexpr, GROUP: tl.constexpr, DOT_DTYPE: tl.constexpr):
+    """Keys [BLOCK_M, BLOCK_S] of positions s0 .. s0 + BLOCK_S for the block's rows (NONE past a row's history)."""
+    pos = s0 + tl.arange(0, BLOCK_S).to(tl.int64)
+    seen = pos < n_max
+    slot = tl.load(table_ptr + req * stride_table + pos, mask=seen, other=0).to(tl.int64)
+    k = tl.load(k_ptr + slot[:, None] * stride_k + offs_d[None, :], mask=seen[:, None], other=0.0)
+    if GROUP:
+        ks = tl.load(ks_ptr + slot[:, None] * stride_ks + (offs_d // GROUP)[None, :], mask=seen[:, None], other=127)
+        k = k.to(tl.float32) * _e8m0(ks)
+    logits = tl.reshape(tl.dot(k.to(DOT_DTYPE), tl.trans(q)), [BLOCK_S, BLOCK_M, BLOCK_H])  # fp32
+    score = tl.trans(tl.sum(tl.maximum(logits, 0.0) * w[None, :, :], axis=2))  # [BLOCK_M, BLOCK_S]
+    return tl.where(pos[None, :] < n[:, None], _encode(score, pos[None, :]), NONE)
+
+
+@triton.jit
+def _merge_top(best, pending, BLOCK_M: tl.constexpr, KP: tl.constexpr, PEND: tl.constexpr, LOG_KP: tl.constexpr):
+    """The top KP of best (descending) and pending (any order), descending. Against pending
+    sorted ascending, the lane-wise max with best holds the top KP and is bitonic (Batcher),
+    so LOG_KP half-cleaner stages sort it: no full sort of 2 * KP keys."""
+    NONE: tl.constexpr = -9223372036854775807 - 1
+    top = tl.sort(pending, dim=1, descending=True)
+    rev = KP - 1 - tl.arange(0, KP)
+    asc = tl.gather(top, tl.broadcast_to(tl.minimum(rev, PEND - 1)[None, :], [BLOCK_M, KP]), axis=1)
+    x = tl.maximum(best, tl.where(rev[None, :] < PEND, asc, NONE))
+    for t in tl.static_range(LOG_KP):
+        S: tl.constexpr = KP >> (t + 1)
+        h = tl.reshape(x, [BLOCK_M, KP // (2 * S), 2, S])
+        hl = tl.join(tl.max(h, axis=2), tl.min(h, axis=2))  # [BLOCK_M, KP // (2S), S, 2]
+        x = tl.reshape(tl.permute(hl, (0, 1, 3, 2)), [BLOCK_M, KP])
+    return x
+
+
+@triton.jit
 def _indexer_topk_kernel(
     q_ptr, w_ptr, k_ptr, table_ptr, row_req_ptr, row_len_ptr, block_start_ptr, block_end_ptr,
     idx_ptr, score_ptr, qs_ptr, ks_ptr, part_ptr,
@@ -68,6 +105,7 @@ def _indexer_topk_kernel(
     H, TOPK, SPLIT_LEN,
     D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr, KP: tl.constexpr,
     WRITE_SCORES: tl.constexpr, GROUP: tl.constexpr, DOT_DTYPE: tl.constexpr, SPLIT: tl.constexpr,
+    PEND: tl.constexpr, LOG_KP: tl.constexpr,
 ):
     # One program: up to BLOCK_M consecutive rows of one request, sharing every K tile, over
     # positions [SPLIT_LEN * split, SPLIT_LEN * (split + 1)) of their history.
@@ -90,28 +128,40 @@ def _indexer_topk_kernel(
                 other=0.0).to(tl.float32)  # [BLOCK_M, BLOCK_H]
 
     NONE: tl.constexpr = -9223372036854775807 - 1
-    best = tl.full([BLOCK_M, KP], NONE, tl.int64)
-    tiles = tl.arange(0, KP // BLOCK_S)
+    best = tl.full([BLOCK_M, KP], NONE, tl.int64)  # the block's running Top-KP keys
     lo = tl.program_id(1).to(tl.int64) * SPLIT_LEN
     n_max = tl.minimum(tl.max(n, axis=0), lo + SPLIT_LEN)  # the block's longest history, in this split
-    for c0 in range(lo, n_max, KP):
-        pending = tl.full([BLOCK_M, KP // BLOCK_S, BLOCK_S], NONE, tl.int64)
-        for j in range(0, KP // BLOCK_S):
-            pos = c0 + j * BLOCK_S + tl.arange(0, BLOCK_S).to(tl.int64)
-            seen = pos < n_max
-            slot = tl.load(table_ptr + req * stride_table + pos, mask=seen, other=0).to(tl.int64)
-            k = tl.load(k_ptr + slot[:, None] * stride_k + offs_d[None, :], mask=seen[:, None], other=0.0)
-            if GROUP:
-                ks = tl.load(ks_ptr + slot[:, None] * stride_ks + (offs_d // GROUP)[None, :],
-                             mask=seen[:, None], other=127)
-                k = k.to(tl.float32) * _e8m0(ks)
-            logits = tl.reshape(tl.dot(k.to(DOT_DTYPE), tl.trans(q)), [BLOCK_S, BLOCK_M, BLOCK_H])  # fp32
-            score = tl.trans(tl.sum(tl.maximum(logits, 0.0) * w[None, :, :], axis=2))  # [BLOCK_M, BLOCK_S]
-            key = tl.where(pos[None, :] < n[:, None], _encode(score, pos[None, :]), NONE)
-            pending = tl.where(tiles[None, :, None] == j, key[:, None, :], pending)
-        both = tl.reshape(tl.join(best, tl.reshape(pending, [BLOCK_M, KP])), [BLOCK_M, 2 * KP])
-        halves = tl.reshape(tl.sort(both, dim=1, descending=True), [BLOCK_M, 2, KP])
-        best = tl.sum(tl.where(tl.arange(0, 2)[None, :, None] == 0, halves, 0), axis=1)
+    if PEND:  # compaction: only keys that beat the running KP-th best are kept, merged when PEND fill up
+        kth = tl.full([BLOCK_M], NONE, tl.int64)
+        pending = tl.full([BLOCK_M, PEND], NONE, tl.int64)
+        fill = tl.zeros([BLOCK_M], tl.int32)
+        lanes = tl.arange(0, PEND)
+        for s0 in range(lo, n_max, BLOCK_S):
+            if tl.max(fill, axis=0) + BLOCK_S > PEND:
+                best = _merge_top(best, pending, BLOCK_M, KP, PEND, LOG_KP)
+                kth = tl.min(best, axis=1)
+                pending = tl.full([BLOCK_M, PEND], NONE, tl.int64)
+                fill = tl.zeros([BLOCK_M], tl.int32)
+            key = _tile_keys(s0, n, n_max, req, q, w, table_ptr, k_ptr, ks_ptr, stride_table, stride_k, stride_ks,
+                             offs_d, NONE, D, BLOCK_M, BLOCK_H, BLOCK_S, GROUP, DOT_DTYPE)
+            key = tl.sort(key, dim=1, descending=True)  # the keys that beat kth lead
+            count = tl.sum((key > kth[:, None]).to(tl.int32), axis=1)
+            src = lanes[None, :] - fill[:, None]  # pending lane fill + i takes the tile's i-th key
+            take = (src >= 0) & (src < count[:, None])
+            pending = tl.where(take, tl.gather(key, tl.minimum(tl.maximum(src, 0), BLOCK_S - 1), axis=1), pending)
+            fill += count
+        best = _merge_top(best, pending, BLOCK_M, KP, PEND, LOG_KP)
+    else:  # every KP positions: sort them with the running Top-KP, keep the better half
+        tiles = tl.arange(0, KP // BLOCK_S)
+        for c0 in range(lo, n_max, KP):
+            pending = tl.full([BLOCK_M, KP // BLOCK_S, BLOCK_S], NONE, tl.int64)
+            for j in range(0, KP // BLOCK_S):
+                key = _tile_keys(c0 + j * BLOCK_S, n, n_max, req, q, w, table_ptr, k_ptr, ks_ptr, stride_table,
+                                 stride_k, stride_ks, offs_d, NONE, D, BLOCK_M, BLOCK_H, BLOCK_S, GROUP, DOT_DTYPE)
+                pending = tl.where(tiles[None, :, None] == j, key[:, None, :], pending)
+            both = tl.reshape(tl.join(best, tl.reshape(pending, [BLOCK_M, KP])), [BLOCK_M, 2 * KP])
+            halves = tl.reshape(tl.sort(both, dim=1, descending=True), [BLOCK_M, 2, KP])
+            best = tl.sum(tl.where(tl.arange(0, 2)[None, :, None] == 0, halves, 0), axis=1)
 
     offs_k = tl.arange(0, KP)
     if SPLIT:  # the split's Top-K keys, merged across splits by _merge_splits
@@ -178,6 +228,7 @@ def indexer_topk(
     k_scale: torch.Tensor | None = None,
     programs: int | None = None,
     num_warps: int = 4,
+    compact: bool = True,
 ):
     """Top-K history positions per query row.
 
@@ -193,7 +244,9 @@ def indexer_topk(
     blocks, the history is split across programs (split-K, as in flash-decoding) and the
     splits' Top-Ks are merged by one torch.topk over their keys: a few KP-wide rows per
     query row, never a score per position. num_warps: per program (the running Top-K
-    lives in registers: more warps, fewer spills).
+    lives in registers: more warps, fewer spills). compact: keep only keys that beat the
+    running K-th best and merge them in batches (default); False sorts every K positions
+    into the running Top-K (the first version, kept until the H200 timings pick one).
     Returns positions [R, topk] int32 (-1 padded), and their fp32 scores if asked.
     """
     R, H, D = q.shape
@@ -239,6 +292,7 @@ def indexer_topk(
             H, topk, split_len,
             D=D, BLOCK_M=block_m, BLOCK_H=block_h, BLOCK_S=block_s, KP=kp, WRITE_SCORES=return_scores,
             GROUP=group, DOT_DTYPE=dot_dtype, SPLIT=splits > 1, num_warps=num_warps,
+            PEND=max(2 * block_s, min(kp, 256)) if compact else 0, LOG_KP=kp.bit_length() - 1,
         )
         if splits > 1:
             pos, best = _merge_splits(part, topk)

@@ -2,12 +2,14 @@
 
 SGLang calls `register()` in every process (entry-point group
 `sglang.srt.plugins`). It registers the config class, the model class, the
-attention backend name and the linear-attention model spec, and hooks the few
+attention backend names and the linear-attention model spec, and hooks the few
 places SGLang hard-codes per architecture:
 
 - ModelConfig._derive_model_shapes: treat the architecture as MLA (latent KV).
 - ServerArgs._handle_model_specific_adjustments: default the attention backend
-  to ours and keep the prefill CUDA graph off (the sparse layer is eager).
+  to ours (`--attention-backend hybrid_linear_sparse_flashmla` picks sgl-kernel's
+  FlashMLA for the sparse attention instead of our Triton kernel) and keep the
+  prefill CUDA graph off (the sparse layer is eager).
 - KVCacheConfigurator._build_hybrid_linear_kv_pool: MLA pool + index-K cache.
 - DefaultPoolConfigurator._compute_cell_size: count index-K bytes per token.
 - utils.common.support_triton: no Triton bookkeeping kernels without a GPU.
@@ -22,6 +24,7 @@ from sglang_hybrid.configs.hybrid_linear_sparse import ARCHITECTURE, MODEL_TYPE,
 logger = logging.getLogger(__name__)
 
 ATTENTION_BACKEND = "hybrid_linear_sparse"
+FLASHMLA_ATTENTION_BACKEND = "hybrid_linear_sparse_flashmla"  # same indexer, FlashMLA attention
 # Backends SGLang picks by itself on CPU; replaced by ours rather than refused.
 _CPU_DEFAULT_BACKENDS = ("intel_amx", "torch_native")
 
@@ -50,8 +53,9 @@ def register() -> None:
             support_mamba_cache=True,
         )
     )
-    add_attention_backend_choices([ATTENTION_BACKEND])
+    add_attention_backend_choices([ATTENTION_BACKEND, FLASHMLA_ATTENTION_BACKEND])
     register_attention_backend(ATTENTION_BACKEND)(_create_attention_backend)
+    register_attention_backend(FLASHMLA_ATTENTION_BACKEND)(_create_flashmla_attention_backend)
 
     hooks = {
         "sglang.srt.configs.model_config.ModelConfig._derive_model_shapes": (_derive_mla_shapes, HookType.AFTER),
@@ -70,6 +74,12 @@ def _create_attention_backend(model_runner):
     from sglang_hybrid.layers.sparse_mla_backend import SparseMLAAttnBackend
 
     return SparseMLAAttnBackend(model_runner)
+
+
+def _create_flashmla_attention_backend(model_runner):
+    from sglang_hybrid.layers.sparse_mla_backend import SparseMLAAttnBackend
+
+    return SparseMLAAttnBackend(model_runner, flashmla=True)
 
 
 def _derive_mla_shapes(result, model_config, *args, **kwargs):
@@ -94,14 +104,16 @@ def _server_defaults(result, server_args, *args, **kwargs):
 
     if not _is_ours(server_args.get_model_config().hf_config):
         return
+    ours = (ATTENTION_BACKEND, FLASHMLA_ATTENTION_BACKEND)
     for field in ("attention_backend", "prefill_attention_backend", "decode_attention_backend"):
         value = getattr(server_args, field)
-        if value in (None, ATTENTION_BACKEND):
+        if value is None or value in ours:
             continue
         if field == "attention_backend" and server_args.device == "cpu" and value in _CPU_DEFAULT_BACKENDS:
             continue
-        raise ValueError(f"{ARCHITECTURE} runs only on --{field.replace('_', '-')} {ATTENTION_BACKEND}; got {value!r}")
-    server_args.attention_backend = ATTENTION_BACKEND
+        raise ValueError(f"{ARCHITECTURE} runs only on --{field.replace('_', '-')} {' or '.join(ours)}; got {value!r}")
+    if server_args.attention_backend not in ours:
+        server_args.attention_backend = ATTENTION_BACKEND
     # The sparse layer's indexer is eager Python for now; decode graphs are captured.
     if (Phase.PREFILL, "backend") not in server_args._cuda_graph_config_locked:
         server_args.cuda_graph_config.prefill.backend = Backend.DISABLED

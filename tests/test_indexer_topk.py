@@ -53,13 +53,15 @@ SHAPES = [
 
 @pytest.mark.parametrize("row_lens, reqs, H, D, topk", SHAPES)
 @pytest.mark.parametrize("dtype", KERNEL_DTYPES)
-@pytest.mark.parametrize("block_m, programs", [(1, 1), (4, 1), (1, 64)])
-def test_exact_inputs_match_reference_including_ties(row_lens, reqs, H, D, topk, dtype, block_m, programs):
+@pytest.mark.parametrize("block_m, programs, compact", [(1, 1, True), (4, 1, True), (1, 64, True), (4, 64, False)])
+def test_exact_inputs_match_reference_including_ties(row_lens, reqs, H, D, topk, dtype, block_m, programs, compact):
     """Small integers: exact scores, many exact ties (relu zeros, repeated values); rows
     one per program, and in blocks of up to 4 rows of a request sharing K tiles; the
-    whole history in one program, or split across programs and merged (programs=64)."""
+    whole history in one program, or split across programs and merged (programs=64);
+    the running Top-K by compaction and batched merges, or by a sort every K positions."""
     args = _case(row_lens, reqs, H, D, max(max(row_lens), 1), integer=True, dtype=dtype)
-    idx, scores = indexer_topk(*args, topk, return_scores=True, block_s=16, block_m=block_m, programs=programs)
+    idx, scores = indexer_topk(*args, topk, return_scores=True, block_s=16, block_m=block_m, programs=programs,
+                               compact=compact)
     ref_idx, ref_scores = indexer_topk_torch(*args, topk, return_scores=True)
     assert torch.equal(idx.cpu(), ref_idx.cpu())
     assert torch.equal(scores.cpu(), ref_scores.cpu())

@@ -16,6 +16,9 @@ import random
 import openai
 import pytest
 import requests
+import torch
+
+from conftest import Server
 
 pytestmark = pytest.mark.slow
 
@@ -193,3 +196,18 @@ def test_logprobs_match_golden(server, golden, tolerance):
         with open(os.path.join(os.environ["SGLANG_HYBRID_TEST_LOGS"], "logprob_error.json"), "w") as f:
             json.dump({**errors, "tolerance": tolerance.logprob}, f)
     assert max(errors.values()) <= tolerance.logprob
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusals of a host without a GPU")
+@pytest.mark.parametrize("backend, reason", [
+    ("triton", "runs only on --attention-backend hybrid_linear_sparse or hybrid_linear_sparse_flashmla"),
+    ("hybrid_linear_sparse_flashmla", "FlashMLA sparse attention needs a Hopper or newer GPU"),
+])
+def test_unservable_attention_backend_stops_the_server_with_its_reason(checkpoint, tmp_path, backend, reason):
+    srv = Server(checkpoint, str(tmp_path / "server.log"), ["--attention-backend", backend])
+    try:
+        with pytest.raises(RuntimeError, match="server exited"):
+            srv.wait_ready(timeout=300)
+        assert reason in srv.read_log()
+    finally:
+        srv.stop()

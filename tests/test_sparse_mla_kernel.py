@@ -87,3 +87,18 @@ def test_only_selected_positions_matter():
     others[table[0, selected[0].long()].long()] = False
     kv[others] = 1e3  # everything not selected changes wildly
     torch.testing.assert_close(sparse_mla(q, kv, table, rows, selected, 16, 0.25, block_n=16), out)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="sgl-kernel's FlashMLA runs on a GPU")
+@pytest.mark.parametrize("H, topk", [(128, 128), (16, 100)])  # heads padded to 64; Top-K padded to 128
+def test_flashmla_alternative_matches_reference(H, topk):
+    """kernels.flashmla_sparse (sgl-kernel's FlashMLA) on the same interface, BF16 latent."""
+    from sglang_hybrid.kernels.flashmla_sparse import sparse_mla_flashmla
+
+    q, kv, table, rows, selected = _case([300, 90, 5], [topk, 90, 0], topk, H, 512, 64, torch.bfloat16)
+    scale = 192**-0.5
+    out = sparse_mla_flashmla(q, kv, table, rows, selected, 512, scale)
+    ref = sparse_mla_torch(q, kv, table, rows, selected, 512, scale)
+    torch.testing.assert_close(out.float(), ref.float(), rtol=2e-2, atol=2e-2)
+    assert not out[2].any()  # nothing selected: zeros

@@ -25,7 +25,7 @@ import torch
 from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 
-from sglang_hybrid.kernels import indexer_topk, sparse_mla
+from sglang_hybrid.kernels import flashmla_sparse, indexer_topk, sparse_mla
 
 # Extend rows of one request share each index-K tile in blocks of this many rows.
 _EXTEND_ROW_BLOCK = 4
@@ -34,7 +34,7 @@ _EXTEND_ROW_BLOCK = 4
 class SparseMLAAttnBackend(AttentionBackend):
     needs_cpu_seq_lens = True
 
-    def __init__(self, model_runner):
+    def __init__(self, model_runner, flashmla: bool = False):
         super().__init__()
         self.topk = model_runner.model_config.hf_config.index_topk
         self.req_to_token_pool = model_runner.req_to_token_pool  # the hybrid wrapper reads it
@@ -44,6 +44,11 @@ class SparseMLAAttnBackend(AttentionBackend):
             self.select, self.attend = indexer_topk.indexer_topk, sparse_mla.sparse_mla
         else:
             self.select, self.attend = indexer_topk.indexer_topk_torch, sparse_mla.sparse_mla_torch
+        if flashmla:  # sgl-kernel's FlashMLA sparse kernel attends instead (BF16 latent only)
+            cfg = model_runner.model_config
+            flashmla_sparse.check_supported(torch.device(model_runner.device), model_runner.kv_cache_dtype,
+                                            cfg.kv_lora_rank, cfg.kv_lora_rank + cfg.qk_rope_head_dim)
+            self.attend = flashmla_sparse.sparse_mla_flashmla
 
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int):
         pass
