@@ -1,8 +1,8 @@
 """sgl-kernel's FlashMLA sparse attention on this project's sparse-MLA interface.
 
 An alternative to kernels.sparse_mla.sparse_mla for the BF16 latent cache on Hopper
-and Blackwell: same arguments, same result (tests/test_gpu.py compares it with
-sparse_mla_torch). FlashMLA's sparse kernel (`flash_mla_sparse_fwd`) takes slot
+and Blackwell: same arguments, same result (tests/test_sparse_mla_kernel.py compares it with
+sparse_mla_torch on a GPU). FlashMLA's sparse kernel (`flash_mla_sparse_fwd`) takes slot
 indices into the latent pool rather than positions, a latent of 512 + 64, heads in
 multiples of 64 (Hopper) or 128 (Blackwell) and Top-K in multiples of 64; this
 adapter maps positions to slots through req_to_token and pads heads and Top-K.

@@ -17,12 +17,16 @@ one int64 key whose signed order is (score, -position): the score's float bits
 mapped to an order-preserving int32 in the high word, 2^31 - 1 - position in the
 low word. Merging is a sort of those keys, so the selection is deterministic.
 
-The running Top-K is a sorted buffer of KP = next_pow2(K) keys. Each tile's keys
-are sorted (BLOCK_S of them) and only those that beat the running KP-th best are
-appended to a small pending buffer; when it fills, it is sorted and merged in with
-one bitonic merge (log2 KP stages). Over a history of n positions only about
-K (1 + ln(n / K)) keys ever qualify, so the merge work shrinks with n; per position
-the cost is one K-row load, H dot products and a short tile sort. A program serves up to block_m
+The running Top-K is a sorted buffer of KP = next_pow2(K) keys, kept one of two ways.
+By default a pending block of KP keys is filled tile by tile and, when full, sorted
+with the running Top-K (2*KP keys), the best KP kept: O(log^2 KP) sort work per
+position. With compact=True each tile's keys are sorted (BLOCK_S of them) and only
+those that beat the running KP-th best go to a small pending buffer; when it fills,
+it is sorted and merged in by one bitonic merge (log2 KP stages). Over a history of
+n positions only about K (1 + ln(n / K)) keys ever qualify, so the merge work
+shrinks with n. Both give the same keys in the same order; compaction becomes the
+default once the H200 timings confirm it (benchmarks/sparse_path_timing.md).
+A program serves up to block_m
 consecutive rows of one request (the rows of a prefill chunk or of a verify step):
 each K tile is loaded once for all of them, one dot gives every row's logits, and
 the rows keep their running Top-Ks side by side.
@@ -228,7 +232,7 @@ def indexer_topk(
     k_scale: torch.Tensor | None = None,
     programs: int | None = None,
     num_warps: int = 4,
-    compact: bool = True,
+    compact: bool = False,
 ):
     """Top-K history positions per query row.
 
@@ -245,8 +249,8 @@ def indexer_topk(
     splits' Top-Ks are merged by one torch.topk over their keys: a few KP-wide rows per
     query row, never a score per position. num_warps: per program (the running Top-K
     lives in registers: more warps, fewer spills). compact: keep only keys that beat the
-    running K-th best and merge them in batches (default); False sorts every K positions
-    into the running Top-K (the first version, kept until the H200 timings pick one).
+    running K-th best and merge them in batches; the default (False) sorts every K
+    positions into the running Top-K, the path verified on the H200 so far.
     Returns positions [R, topk] int32 (-1 padded), and their fp32 scores if asked.
     """
     R, H, D = q.shape

@@ -97,7 +97,7 @@ def test_mxfp8_exact_inputs_match_reference_including_ties(row_lens, reqs, H, D,
     group = 32 if D >= 32 else 16  # the default group, or two groups of a 16-wide head
     args, scales = _mxfp8(_case(row_lens, reqs, H, D, max(max(row_lens), 1), integer=True,
                                 dtype=torch.float32), group)
-    idx, scores = indexer_topk(*args, topk, return_scores=True, block_s=16, block_m=4, **scales)
+    idx, scores = indexer_topk(*args, topk, return_scores=True, block_s=16, block_m=4, compact=True, **scales)
     ref_idx, ref_scores = indexer_topk_torch(*args, topk, return_scores=True, **scales)
     assert torch.equal(idx.cpu(), ref_idx.cpu())
     assert torch.equal(scores.cpu(), ref_scores.cpu())
