@@ -74,35 +74,24 @@ def paged_history(reqs: int, length: int, width: int, g, page: int = 64):
     return cache, slots
 
 
-def unfused_indexer(q, w, k, table, row_req, row_len, topk):
+def unfused_indexer(q, w, k, table, row_req, row_len, topk, one_request: bool):
     """What the fused kernel replaces, as fast as plain PyTorch does it: per chunk of rows,
-    gather the history, bf16 GEMM logits into HBM, relu, weighted head sum, topk."""
+    bf16 GEMM logits into HBM, relu, weighted head sum, topk. Decode rows gather their own
+    history; the rows of one request (prefill) share one gathered history."""
     R, L = q.shape[0], table.shape[1]
     chunk = max(1, CHUNK_BYTES // (L * HI * 2))
     out = torch.empty(R, topk, dtype=torch.int64, device=q.device)
     wb = w.to(q.dtype)
+    shared = k[table[0].long()] if one_request else None  # [L, D]
     for r0 in range(0, R, chunk):
         rows = slice(r0, min(R, r0 + chunk))
-        reqs = row_req[rows].long()
-        keys = k[table[reqs].long()]  # [r, L, D]
-        logits = torch.bmm(keys, q[rows].transpose(1, 2)).relu_()  # [r, L, HI]
-        s = torch.bmm(logits, wb[rows, :, None]).squeeze(-1).float()  # [r, L]
-        s.masked_fill_(torch.arange(L, device=s.device)[None, :] >= row_len[rows, None], float("-inf"))
-        out[rows] = s.topk(topk, dim=-1).indices
-    return out
-
-
-def unfused_indexer_one_request(q, w, k, table, row_len, topk):
-    """The prefill form: one request, its history gathered once and shared by all rows."""
-    R, L = q.shape[0], table.shape[1]
-    chunk = max(1, CHUNK_BYTES // (L * HI * 2))
-    keys = k[table[0].long()]  # [L, D]
-    out = torch.empty(R, topk, dtype=torch.int64, device=q.device)
-    wb = w.to(q.dtype)
-    for r0 in range(0, R, chunk):
-        rows = slice(r0, min(R, r0 + chunk))
-        logits = (keys @ q[rows].flatten(0, 1).T).relu_().view(L, -1, HI)  # [L, r, HI]
-        s = torch.einsum("lrh,rh->rl", logits, wb[rows]).float()
+        if one_request:
+            logits = (shared @ q[rows].flatten(0, 1).T).relu_().view(L, -1, HI)  # [L, r, HI]
+            s = torch.einsum("lrh,rh->rl", logits, wb[rows]).float()
+        else:
+            keys = k[table[row_req[rows].long()].long()]  # [r, L, D]
+            logits = torch.bmm(keys, q[rows].transpose(1, 2)).relu_()  # [r, L, HI]
+            s = torch.bmm(logits, wb[rows, :, None]).squeeze(-1).float()  # [r, L]
         s.masked_fill_(torch.arange(L, device=s.device)[None, :] >= row_len[rows, None], float("-inf"))
         out[rows] = s.topk(topk, dim=-1).indices
     return out
@@ -130,34 +119,28 @@ def bench_indexer(rows, reqs, length, row_len, row_req, g, bw, tflops, block_ms,
             out[f"fused_mxfp8_ms[{tag}]"], _ = timed(
                 lambda: indexer_topk.indexer_topk(qd, w, kd, table, row_req, row_len, TOPK, q_scale=qs, k_scale=ks,
                                                   **opts), decode)
+    # The selection the next stage attends over; compaction and split-K must not change it.
+    selected = indexer_topk.indexer_topk(q, w, k, table, row_req, row_len, TOPK, block_m=block_ms[0])
     # The running Top-K by compaction (compact=True) against the default sort every KP positions.
     out["fused_bf16_compact_ms"], _ = timed(
         lambda: indexer_topk.indexer_topk(q, w, k, table, row_req, row_len, TOPK, block_m=block_ms[0],
                                           compact=True), decode)
-    out["compact_equals_sort_every_kp"] = bool(torch.equal(
-        indexer_topk.indexer_topk(q, w, k, table, row_req, row_len, TOPK, block_m=block_ms[0], compact=True),
-        indexer_topk.indexer_topk(q, w, k, table, row_req, row_len, TOPK, block_m=block_ms[0])))
+    out["compact_equals_sort_every_kp"] = bool(torch.equal(selected, indexer_topk.indexer_topk(
+        q, w, k, table, row_req, row_len, TOPK, block_m=block_ms[0], compact=True)))
     if decode:
         out["fused_bf16_no_split_ms"], _ = timed(
             lambda: indexer_topk.indexer_topk(q, w, k, table, row_req, row_len, TOPK, programs=1), decode)
-        # Split-K must not change the selection: same keys, merged (a check, not a timing).
-        split = indexer_topk.indexer_topk(q, w, k, table, row_req, row_len, TOPK)
-        out["split_equals_no_split"] = bool(torch.equal(
-            split, indexer_topk.indexer_topk(q, w, k, table, row_req, row_len, TOPK, programs=1)))
+        out["split_equals_no_split"] = bool(torch.equal(selected, indexer_topk.indexer_topk(
+            q, w, k, table, row_req, row_len, TOPK, programs=1)))
     best = min(v for key, v in out.items() if key.startswith("fused_bf16_ms"))
     best_mx = min(v for key, v in out.items() if key.startswith("fused_mxfp8_ms"))
-    if decode:
-        fn = lambda: unfused_indexer(q, w, k, table, row_req, row_len, TOPK)  # noqa: E731
-    else:
-        fn = lambda: unfused_indexer_one_request(q, w, k, table, row_len, TOPK)  # noqa: E731
-    out["unfused_ms"], out["unfused_extra_bytes"] = timed(fn, decode)
+    out["unfused_ms"], out["unfused_extra_bytes"] = timed(
+        lambda: unfused_indexer(q, w, k, table, row_req, row_len, TOPK, one_request=not decode), decode)
     out["speedup_vs_unfused_bf16"] = out["unfused_ms"] / best
     out["speedup_vs_unfused_mxfp8"] = out["unfused_ms"] / best_mx
     out["fraction_of_hbm_bf16"] = out["floor_ms_bytes_bf16"] / best
     out["fraction_of_hbm_mxfp8"] = bytes_mxfp8 / bw / 1e6 / best_mx
     out["fraction_of_gemm_bf16"] = out["floor_ms_flops"] / best
-    block_m = block_ms[0]
-    selected = indexer_topk.indexer_topk(q, w, k, table, row_req, row_len, TOPK, block_m=block_m)
     del k, q, qd, kd
     return out, table, selected
 
