@@ -15,7 +15,7 @@ Prefill: one request of {8K, 32K, 64K} tokens, every row causal.
   FLOPs at the bf16 GEMM throughput measured here. fraction_of_hbm = floor time from
   bytes / measured time; fraction_of_gemm likewise from FLOPs.
 
-    python benchmarks/sparse_path_timing.py --out $OUT/sparse_path_timing.json [--quick]
+    python benchmarks/sparse_path_timing.py --out $OUT/sparse_path_timing.json [--kind decode] [--quick]
 
 Times are medians of CUDA-event timings: decode cases replay CUDA graphs, as serving
 does (triton.testing.do_bench_cudagraph, no launch overhead), prefill cases run eagerly
@@ -187,6 +187,7 @@ def bench_sparse_mla(rows, reqs, length, table, row_req, selected, g, bw, tflops
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out")
+    ap.add_argument("--kind", choices=("decode", "prefill"), help="only these cases (default: both)")
     ap.add_argument("--quick", action="store_true", help="one small case of each kind")
     args = ap.parse_args()
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -196,6 +197,7 @@ def main() -> None:
     decode = [(b, L) for L in (4096, 32768, 131072) for b in (1, 8, 32, 64)] if not args.quick else [(4, 4096)]
     prefill = [8192, 32768, 65536] if not args.quick else [4096]
     cases = [("decode", b, L) for b, L in decode] + [("prefill", 1, L) for L in prefill]
+    cases = [c for c in cases if args.kind in (None, c[0])]
     for kind, reqs, length in cases:
         case = {"kind": kind, "requests": reqs, "history": length,
                 "timing": "cuda_graph" if kind == "decode" else "eager"}

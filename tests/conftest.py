@@ -111,8 +111,11 @@ def pytest_addoption(parser):
 # routing, indexer Top-K) that bf16 rounding flips, so bf16 agrees with fp32 only
 # statistically (test_gpu.py checks that). A small chunk size makes the longer prompts
 # span several chunked-prefill chunks.
-GPU_SERVER_ARGS = ["--dtype", "float32", "--mem-fraction-static", "0.5", "--cuda-graph-max-bs", "32",
-                   "--chunked-prefill-size", "128"]
+# SGLang 0.5.17 takes the static fraction of the memory free when the server starts: at a
+# quarter, the checks' test groups can each run a server on the same GPU at once.
+GPU_MEM_FRACTION = 0.25
+GPU_SERVER_ARGS = ["--dtype", "float32", "--mem-fraction-static", str(GPU_MEM_FRACTION),
+                   "--cuda-graph-max-bs", "32", "--chunked-prefill-size", "128"]
 if torch.cuda.is_available():
     # Triton rounds fp32 dot inputs to TF32 by default; IEEE keeps the comparison at fp32.
     os.environ.setdefault("TRITON_F32_DEFAULT", "ieee")

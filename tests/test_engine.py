@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import GoldenCheck, Tolerance
+from conftest import GPU_MEM_FRACTION, GoldenCheck, Tolerance
 
 from sglang_hybrid.cli import CPU_DEFAULTS
 from sglang_hybrid.cpu_support import gpu_available
@@ -14,7 +14,7 @@ pytestmark = pytest.mark.slow
 
 def _engine_kwargs() -> dict:
     if gpu_available():
-        return {"dtype": "float32", "mem_fraction_static": 0.5, "cuda_graph_max_bs_decode": 8}
+        return {"dtype": "float32", "mem_fraction_static": GPU_MEM_FRACTION, "cuda_graph_max_bs_decode": 8}
     kwargs = {}
     for flag, value in CPU_DEFAULTS.items():
         key = flag[2:].replace("-", "_")

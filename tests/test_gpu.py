@@ -16,7 +16,7 @@ import pytest
 import requests
 import torch
 
-from conftest import Server
+from conftest import GPU_MEM_FRACTION, Server
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 
@@ -59,7 +59,7 @@ def test_bf16_statistically_tracks_golden(checkpoint, golden, preset):
     prompts = [[rng.randrange(3, 2000) for _ in range(n)] for n in (12, 40, 300)]
     log_dir = os.environ.get("SGLANG_HYBRID_TEST_LOGS") or "."
     srv = Server(checkpoint, os.path.join(log_dir, "bf16_server.log"),
-                 ["--dtype", "bfloat16", "--mem-fraction-static", "0.5", "--cuda-graph-max-bs", "32"])
+                 ["--dtype", "bfloat16", "--mem-fraction-static", str(GPU_MEM_FRACTION), "--cuda-graph-max-bs", "32"])
     agree, errors = 0, []
     try:
         srv.wait_ready()
