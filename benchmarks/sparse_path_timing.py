@@ -122,11 +122,14 @@ def bench_indexer(rows, reqs, length, row_len, row_req, g, bw, tflops, block_ms,
     # The selection the next stage attends over; compaction and split-K must not change it.
     selected = indexer_topk.indexer_topk(q, w, k, table, row_req, row_len, TOPK, block_m=block_ms[0])
     # The running Top-K by compaction (compact=True) against the default sort every KP positions.
-    out["fused_bf16_compact_ms"], _ = timed(
-        lambda: indexer_topk.indexer_topk(q, w, k, table, row_req, row_len, TOPK, block_m=block_ms[0],
-                                          compact=True), decode)
-    out["compact_equals_sort_every_kp"] = bool(torch.equal(selected, indexer_topk.indexer_topk(
-        q, w, k, table, row_req, row_len, TOPK, block_m=block_ms[0], compact=True)))
+    try:
+        out["fused_bf16_compact_ms"], _ = timed(
+            lambda: indexer_topk.indexer_topk(q, w, k, table, row_req, row_len, TOPK, block_m=block_ms[0],
+                                              compact=True), decode)
+        out["compact_equals_sort_every_kp"] = bool(torch.equal(selected, indexer_topk.indexer_topk(
+            q, w, k, table, row_req, row_len, TOPK, block_m=block_ms[0], compact=True)))
+    except Exception as e:  # noqa: BLE001  (recorded; the default path's numbers still stand)
+        out["compact_error"] = repr(e)[:2000]
     if decode:
         out["fused_bf16_no_split_ms"], _ = timed(
             lambda: indexer_topk.indexer_topk(q, w, k, table, row_req, row_len, TOPK, programs=1), decode)
