@@ -15,7 +15,7 @@ Prefill: one request of {8K, 32K, 64K} tokens, every row causal.
   FLOPs at the bf16 GEMM throughput measured here. fraction_of_hbm = floor time from
   bytes / measured time; fraction_of_gemm likewise from FLOPs.
 
-    python benchmarks/sparse_path_timing.py --out $OUT/sparse_path_timing.json [--kind decode] [--quick]
+    python benchmarks/sparse_path_timing.py --out $OUT/sparse_path_timing.json [--kind decode] [--case prefill:32768 ...] [--quick]
 
 Times are medians of CUDA-event timings: decode cases replay CUDA graphs, as serving
 does (triton.testing.do_bench_cudagraph, no launch overhead), prefill cases run eagerly
@@ -187,10 +187,20 @@ def bench_sparse_mla(rows, reqs, length, table, row_req, selected, g, bw, tflops
     return out
 
 
+def parse_case(text: str) -> tuple[str, int, int]:
+    """'decode:64x131072' -> ('decode', 64, 131072); 'prefill:32768' -> ('prefill', 1, 32768)."""
+    kind, shape = text.split(":")
+    batch, _, history = shape.rpartition("x")
+    return kind, int(batch or 1), int(history)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out")
     ap.add_argument("--kind", choices=("decode", "prefill"), help="only these cases (default: both)")
+    ap.add_argument("--case", action="append", default=[], metavar="KIND:[BATCHx]HISTORY",
+                    help="only these cases, e.g. decode:64x131072 or prefill:32768 (repeatable)")
+    ap.add_argument("--indexer-only", action="store_true", help="time the indexer, not sparse MLA")
     ap.add_argument("--quick", action="store_true", help="one small case of each kind")
     args = ap.parse_args()
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -201,6 +211,8 @@ def main() -> None:
     prefill = [8192, 32768, 65536] if not args.quick else [4096]
     cases = [("decode", b, L) for b, L in decode] + [("prefill", 1, L) for L in prefill]
     cases = [c for c in cases if args.kind in (None, c[0])]
+    if args.case:
+        cases = [c for c in cases if c in set(map(parse_case, args.case))]
     for kind, reqs, length in cases:
         case = {"kind": kind, "requests": reqs, "history": length,
                 "timing": "cuda_graph" if kind == "decode" else "eager"}
@@ -214,11 +226,12 @@ def main() -> None:
                 rows = length
                 row_req = torch.zeros(rows, device="cuda", dtype=torch.int32)
                 row_len = torch.arange(1, length + 1, device="cuda", dtype=torch.int32)
-                block_ms = (4, 8)
+                block_ms = (1, 2)  # indexer_topk caps block_m at 4096 // KP = 2
             case["indexer"], table, selected = bench_indexer(rows, reqs, length, row_len, row_req, g, bw, tflops,
                                                              block_ms, kind == "decode")
-            case["sparse_mla"] = bench_sparse_mla(rows, reqs, length, table, row_req, selected, g, bw, tflops,
-                                                  kind == "decode")
+            if not args.indexer_only:
+                case["sparse_mla"] = bench_sparse_mla(rows, reqs, length, table, row_req, selected, g, bw, tflops,
+                                                      kind == "decode")
         except Exception:  # record it and go on: one shape's failure says nothing about the others
             case["error"] = traceback.format_exc(limit=3)
         torch.cuda.empty_cache()

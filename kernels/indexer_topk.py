@@ -20,12 +20,14 @@ low word. Merging is a sort of those keys, so the selection is deterministic.
 The running Top-K is a sorted buffer of KP = next_pow2(K) keys, kept one of two ways.
 By default a pending block of KP keys is filled tile by tile and, when full, sorted
 with the running Top-K (2*KP keys), the best KP kept: O(log^2 KP) sort work per
-position. With compact=True each tile's keys are sorted (BLOCK_S of them) and only
-those that beat the running KP-th best go to a small pending buffer; when it fills,
-it is sorted and merged in by one bitonic merge (log2 KP stages). Over a history of
-n positions only about K (1 + ln(n / K)) keys ever qualify, so the merge work
-shrinks with n. Both give the same keys in the same order; compaction becomes the
-default once the H200 timings confirm it (benchmarks/sparse_path_timing.md).
+position. With compact=True only the keys that beat the running KP-th best are kept:
+each tile appends them (at prefix-sum offsets) to a small per-program pending buffer;
+when it could overflow, the buffer is sorted and merged in by one bitonic merge
+(log2 KP stages). Over a history of n positions only about K (1 + ln(n / K)) keys ever
+qualify, so the merge work shrinks with n. The buffer lives in a global scratch of
+PEND keys per row (L2-resident), because Triton 3.6 cannot compile a register gather
+that scatters a tile into it. Both give the same keys in the same order; compaction
+becomes the default once the H200 timings confirm it (benchmarks/sparse_path_timing.md).
 A program serves up to block_m
 consecutive rows of one request (the rows of a prefill chunk or of a verify step):
 each K tile is loaded once for all of them, one dot gives every row's logits, and
@@ -84,27 +86,42 @@ def _tile_keys(s0, n, n_max, req, q, w, table_ptr, k_ptr, ks_ptr, stride_table, 
 
 
 @triton.jit
-def _merge_top(best, pending, BLOCK_M: tl.constexpr, KP: tl.constexpr, PEND: tl.constexpr, LOG_KP: tl.constexpr):
-    """The top KP of best (descending) and pending (any order), descending. Against pending
-    sorted ascending, the lane-wise max with best holds the top KP and is bitonic (Batcher),
-    so LOG_KP half-cleaner stages sort it: no full sort of 2 * KP keys."""
-    NONE: tl.constexpr = -9223372036854775807 - 1
-    top = tl.sort(pending, dim=1, descending=True)
-    rev = KP - 1 - tl.arange(0, KP)
-    asc = tl.gather(top, tl.broadcast_to(tl.minimum(rev, PEND - 1)[None, :], [BLOCK_M, KP]), axis=1)
-    x = tl.maximum(best, tl.where(rev[None, :] < PEND, asc, NONE))
+def _merge_top(best, pend, fill, NONE: tl.constexpr, BLOCK_M: tl.constexpr, KP: tl.constexpr, PEND: tl.constexpr,
+               LOG_KP: tl.constexpr):
+    """The top KP of best (descending) and the first fill[r] pending keys at pend [BLOCK_M,
+    PEND] (pointers), descending. Against pending sorted ascending and right-aligned in KP
+    lanes, the lane-wise max with best holds the top KP and is bitonic (Batcher), so LOG_KP
+    half-cleaner stages sort it: no full sort of 2 * KP keys."""
+    tl.debug_barrier()  # every thread's appends are visible
+    lanes = tl.arange(0, PEND)[None, :]
+    asc = tl.sort(tl.load(pend, mask=lanes < fill[:, None], other=NONE), dim=1)
+    tl.debug_barrier()  # every thread has read the buffer before the next appends reuse it
+    if PEND <= KP:  # NONE in the KP - PEND leading lanes, then asc
+        chunk = tl.arange(0, KP // PEND)[None, :, None]
+        v = tl.reshape(tl.where(chunk == KP // PEND - 1, asc[:, None, :], NONE), [BLOCK_M, KP])
+    else:  # the top KP of asc: its last KP lanes
+        chunk = tl.arange(0, PEND // KP)[None, :, None]
+        v = tl.max(tl.where(chunk == PEND // KP - 1, tl.reshape(asc, [BLOCK_M, PEND // KP, KP]), NONE), axis=1)
+    x = tl.maximum(best, v)
     for t in tl.static_range(LOG_KP):
-        S: tl.constexpr = KP >> (t + 1)
-        h = tl.reshape(x, [BLOCK_M, KP // (2 * S), 2, S])
-        hl = tl.join(tl.max(h, axis=2), tl.min(h, axis=2))  # [BLOCK_M, KP // (2S), S, 2]
-        x = tl.reshape(tl.permute(hl, (0, 1, 3, 2)), [BLOCK_M, KP])
+        x = _half_clean(x, BLOCK_M, KP, LOG_KP - 1 - t)
     return x
+
+
+@triton.jit
+def _half_clean(x, BLOCK_M: tl.constexpr, KP: tl.constexpr, LOG_S: tl.constexpr):
+    """One bitonic half-cleaner stage at distance S = 2^LOG_S, descending (a helper so that
+    S is a constexpr in each unrolled stage)."""
+    S: tl.constexpr = 1 << LOG_S
+    h = tl.reshape(x, [BLOCK_M, KP // (2 * S), 2, S])
+    hl = tl.join(tl.max(h, axis=2), tl.min(h, axis=2))  # [BLOCK_M, KP // (2S), S, 2]
+    return tl.reshape(tl.permute(hl, (0, 1, 3, 2)), [BLOCK_M, KP])
 
 
 @triton.jit
 def _indexer_topk_kernel(
     q_ptr, w_ptr, k_ptr, table_ptr, row_req_ptr, row_len_ptr, block_start_ptr, block_end_ptr,
-    idx_ptr, score_ptr, qs_ptr, ks_ptr, part_ptr,
+    idx_ptr, score_ptr, qs_ptr, ks_ptr, part_ptr, pend_ptr,
     stride_qr, stride_qh, stride_wr, stride_k, stride_table, stride_out, stride_qsr, stride_qsh, stride_ks,
     H, TOPK, SPLIT_LEN,
     D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr, KP: tl.constexpr,
@@ -135,26 +152,22 @@ def _indexer_topk_kernel(
     best = tl.full([BLOCK_M, KP], NONE, tl.int64)  # the block's running Top-KP keys
     lo = tl.program_id(1).to(tl.int64) * SPLIT_LEN
     n_max = tl.minimum(tl.max(n, axis=0), lo + SPLIT_LEN)  # the block's longest history, in this split
-    if PEND:  # compaction: only keys that beat the running KP-th best are kept, merged when PEND fill up
+    if PEND:  # compaction: only keys that beat the running KP-th best are kept, merged when PEND could fill up
+        program = tl.program_id(0).to(tl.int64) * tl.num_programs(1) + tl.program_id(1)
+        pend = pend_ptr + (program * BLOCK_M + tl.arange(0, BLOCK_M)[:, None]) * PEND  # [BLOCK_M, 1]
         kth = tl.full([BLOCK_M], NONE, tl.int64)
-        pending = tl.full([BLOCK_M, PEND], NONE, tl.int64)
         fill = tl.zeros([BLOCK_M], tl.int32)
-        lanes = tl.arange(0, PEND)
         for s0 in range(lo, n_max, BLOCK_S):
             if tl.max(fill, axis=0) + BLOCK_S > PEND:
-                best = _merge_top(best, pending, BLOCK_M, KP, PEND, LOG_KP)
+                best = _merge_top(best, pend + tl.arange(0, PEND)[None, :], fill, NONE, BLOCK_M, KP, PEND, LOG_KP)
                 kth = tl.min(best, axis=1)
-                pending = tl.full([BLOCK_M, PEND], NONE, tl.int64)
                 fill = tl.zeros([BLOCK_M], tl.int32)
             key = _tile_keys(s0, n, n_max, req, q, w, table_ptr, k_ptr, ks_ptr, stride_table, stride_k, stride_ks,
                              offs_d, NONE, D, BLOCK_M, BLOCK_H, BLOCK_S, GROUP, DOT_DTYPE)
-            key = tl.sort(key, dim=1, descending=True)  # the keys that beat kth lead
-            count = tl.sum((key > kth[:, None]).to(tl.int32), axis=1)
-            src = lanes[None, :] - fill[:, None]  # pending lane fill + i takes the tile's i-th key
-            take = (src >= 0) & (src < count[:, None])
-            pending = tl.where(take, tl.gather(key, tl.minimum(tl.maximum(src, 0), BLOCK_S - 1), axis=1), pending)
-            fill += count
-        best = _merge_top(best, pending, BLOCK_M, KP, PEND, LOG_KP)
+            beat = key > kth[:, None]
+            tl.store(pend + fill[:, None] + tl.cumsum(beat.to(tl.int32), axis=1) - 1, key, mask=beat)
+            fill += tl.sum(beat.to(tl.int32), axis=1)
+        best = _merge_top(best, pend + tl.arange(0, PEND)[None, :], fill, NONE, BLOCK_M, KP, PEND, LOG_KP)
     else:  # every KP positions: sort them with the running Top-KP, keep the better half
         tiles = tl.arange(0, KP // BLOCK_S)
         for c0 in range(lo, n_max, KP):
@@ -243,7 +256,9 @@ def indexer_topk(
     MXFP8 (kernels.mxfp8): q and index_k hold e4m3 data and q_scale [R, H, D // G],
     k_scale [slots, D // G] their e8m0 scale bytes; the group size G follows from them.
     block_m > 1 lets up to block_m consecutive rows of one request (prefill, verify) share
-    each K tile; decode rows (one per request) want 1.
+    each K tile; decode rows (one per request) want 1. It is capped at 4096 // KP rows: the
+    block's running Top-Ks are sorted through shared memory, and beyond that an sm_90 block
+    would need more than its 227 KiB (tests/compile_for_sm90.py checks the served shapes).
     programs: about how many programs to run (default: 2 per SM). When there are fewer row
     blocks, the history is split across programs (split-K, as in flash-decoding) and the
     splits' Top-Ks are merged by one torch.topk over their keys: a few KP-wide rows per
@@ -277,6 +292,7 @@ def indexer_topk(
     block_s = min(block_s, kp)
     if block_m & (block_m - 1) or block_m < 1:
         raise ValueError(f"block_m must be a power of two, got {block_m}")
+    block_m = min(block_m, max(1, 4096 // kp))
     idx = torch.empty(R, topk, dtype=torch.int32, device=q.device)
     scores = torch.empty(R, topk, dtype=torch.float32, device=q.device) if return_scores else idx
     if R:
@@ -289,14 +305,19 @@ def indexer_topk(
         split_len = _split_len(history, kp, starts.shape[0], programs)
         splits = triton.cdiv(history, split_len)
         part = torch.empty(R, splits, kp, dtype=torch.int64, device=q.device) if splits > 1 else idx
+        pend = max(2 * block_s, min(kp, 256)) if compact else 0
+        # The compaction's pending keys: PEND per row of every program (see the module docstring).
+        pending = torch.empty(starts.shape[0] * splits * block_m * pend, dtype=torch.int64,
+                              device=q.device) if compact else idx
         _indexer_topk_kernel[(starts.shape[0], splits)](
             q, weights, index_k, req_to_token, row_req, row_len, starts, ends, idx, scores, q_scale, k_scale, part,
+            pending,
             q.stride(0), q.stride(1), weights.stride(0), index_k.stride(0), req_to_token.stride(0), idx.stride(0),
             q_scale.stride(0), q_scale.stride(1), k_scale.stride(0),
             H, topk, split_len,
             D=D, BLOCK_M=block_m, BLOCK_H=block_h, BLOCK_S=block_s, KP=kp, WRITE_SCORES=return_scores,
             GROUP=group, DOT_DTYPE=dot_dtype, SPLIT=splits > 1, num_warps=num_warps,
-            PEND=max(2 * block_s, min(kp, 256)) if compact else 0, LOG_KP=kp.bit_length() - 1,
+            PEND=pend, LOG_KP=kp.bit_length() - 1,
         )
         if splits > 1:
             pos, best = _merge_splits(part, topk)

@@ -67,6 +67,15 @@ def test_exact_inputs_match_reference_including_ties(row_lens, reqs, H, D, topk,
     assert torch.equal(scores.cpu(), ref_scores.cpu())
 
 
+def test_compaction_with_k_beyond_its_pending_buffer():
+    """K = 300 (KP 512) exceeds the 256-key pending buffer: merges right-align it in KP lanes."""
+    args = _case([1100, 700], [0, 0], 4, 16, 1100, integer=True, dtype=torch.float32)
+    idx, scores = indexer_topk(*args, 300, return_scores=True, block_s=16, block_m=2, compact=True)
+    ref_idx, ref_scores = indexer_topk_torch(*args, 300, return_scores=True)
+    assert torch.equal(idx.cpu(), ref_idx.cpu())
+    assert torch.equal(scores.cpu(), ref_scores.cpu())
+
+
 def _assert_match_up_to_near_ties(idx, scores, ref_idx, ref_scores):
     """Scores to rounding; positions equal except where rounding reorders a near tie."""
     torch.testing.assert_close(scores.cpu(), ref_scores.cpu(), rtol=1e-5, atol=1e-5)

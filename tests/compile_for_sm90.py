@@ -1,0 +1,119 @@
+"""Compile the project's Triton kernels for an H100/H200 (sm_90) on a machine without a GPU.
+
+Triton's front end, its GPU passes and ptxas all run on the CPU; only loading and
+launching need the device. A stand-in driver reports an sm_90 target and every launch
+is turned into a compile (JITFunction warmup), so the kernels' own Python wrappers run
+on CPU tensors at the shapes the model serves. This catches what the interpreter
+cannot: constructs the GPU compiler rejects, and blocks that ask for more shared
+memory than an sm_90 block may have. Run in a fresh process without TRITON_INTERPRET
+(tests/test_compile_for_sm90.py does); prints one JSON line per case.
+
+    python tests/compile_for_sm90.py [CASE_SUBSTRING]
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+assert not os.environ.get("TRITON_INTERPRET"), "compiles for the GPU: run without TRITON_INTERPRET"
+
+import torch  # noqa: E402
+import triton.runtime.jit as jit  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.runtime import driver  # noqa: E402
+
+SM90_SHARED_BYTES = 232448  # the most shared memory one sm_90 block may opt in to (227 KiB)
+
+
+class _Sm90Driver:
+    """What JITFunction asks of the active driver before a launch, for an sm_90 device."""
+
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device=None):
+        return 0
+
+    def get_current_target(self):
+        return GPUTarget("cuda", 90, 32)
+
+    def get_active_torch_device(self):
+        return torch.device("cpu")
+
+
+_compiled = []
+
+
+def _compile_instead_of_launch(run):
+    def compile_only(self, *args, grid, warmup, **kwargs):
+        kernel = run(self, *args, grid=grid, warmup=True, **kwargs)
+        _compiled.append((self.fn.__name__, kernel))
+        return kernel
+    return compile_only
+
+
+def cases():
+    """(name, thunk) at the served DSA-like shapes: 64 index heads x 128, Top-K 2048, latent
+    512 + rope 64, 128 heads; decode rows one per request, extend rows in the backend's blocks."""
+    from sglang_hybrid.kernels import fp8_kv, indexer_topk, mxfp8, sparse_mla
+    from sglang_hybrid.layers.sparse_mla_backend import _EXTEND_ROW_BLOCK
+
+    g = torch.Generator().manual_seed(0)
+    rows, hist = 8, 4096
+    q = torch.randn(rows, 64, 128, generator=g).bfloat16()
+    w = torch.randn(rows, 64, generator=g)
+    k = torch.randn(hist, 128, generator=g).bfloat16()
+    table = torch.arange(hist, dtype=torch.int32).view(1, hist)
+    row_req = torch.zeros(rows, dtype=torch.int32)
+    row_len = torch.arange(hist - rows + 1, hist + 1, dtype=torch.int32)
+    qd, qs = mxfp8.quantize_mxfp8_torch(q.float())
+    kd, ks = mxfp8.quantize_mxfp8_torch(k.float())
+    out = []
+    for block_m, kind in ((1, "decode"), (_EXTEND_ROW_BLOCK, "extend")):
+        for compact in (False, True):
+            tag = f"indexer_topk[{kind},block_m={block_m},compact={compact}"
+            out.append((tag + ",bf16]", lambda b=block_m, c=compact: indexer_topk.indexer_topk(
+                q, w, k, table, row_req, row_len, 2048, block_m=b, compact=c)))
+            out.append((tag + ",mxfp8]", lambda b=block_m, c=compact: indexer_topk.indexer_topk(
+                qd, w, kd, table, row_req, row_len, 2048, block_m=b, compact=c, q_scale=qs, k_scale=ks)))
+    qm = torch.randn(rows, 128, 576, generator=g).bfloat16()
+    kv = torch.randn(hist, 576, generator=g).bfloat16()
+    selected = torch.randint(0, hist, (rows, 2048), generator=g, dtype=torch.int32)
+    data, scale = fp8_kv.quantize_kv_fp8_torch(kv[:, :512])
+    out.append(("sparse_mla[bf16]", lambda: sparse_mla.sparse_mla(qm, kv, table, row_req, selected, 512, 0.07)))
+    out.append(("sparse_mla[fp8]", lambda: sparse_mla.sparse_mla(
+        qm, data, table, row_req, selected, 512, 0.07, kv_scale=scale, kv_rope=kv[:, 512:].contiguous())))
+    loc = torch.arange(rows, dtype=torch.int64)
+    out.append(("quantize_mxfp8", lambda: mxfp8.quantize_mxfp8(q)))
+    out.append(("store_mxfp8", lambda: mxfp8.store_mxfp8(k[:rows], loc, kd.clone(), ks.clone())))
+    out.append(("store_kv_fp8", lambda: fp8_kv.store_kv_fp8(kv[:rows, :512], loc, data.clone(), scale.clone())))
+    return out
+
+
+def main() -> None:
+    driver.set_active(_Sm90Driver())
+    jit.JITFunction.run = _compile_instead_of_launch(jit.JITFunction.run)
+    wanted = sys.argv[1] if len(sys.argv) > 1 else ""
+    for name, thunk in cases():
+        if wanted not in name:
+            continue
+        t0, _compiled[:] = time.time(), []
+        report = {"case": name}
+        try:
+            thunk()
+            report.update(ok=True, kernels=[
+                {"kernel": fn, "shared_bytes": k.metadata.shared, "num_warps": k.metadata.num_warps} for fn, k in _compiled])
+        except Exception as e:  # noqa: BLE001  (reported: the test names the case and the compiler's reason)
+            cause = e
+            while cause.__cause__ is not None:
+                cause = cause.__cause__
+            report.update(ok=False, error=f"{type(cause).__name__}: {cause}"[-3000:])
+        report["seconds"] = round(time.time() - t0, 1)
+        print(json.dumps(report), flush=True)
+
+
+if __name__ == "__main__":
+    main()

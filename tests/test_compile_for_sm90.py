@@ -1,0 +1,44 @@
+"""The Triton kernels compile for sm_90 (H100/H200) at the served shapes, on this machine
+without a GPU, and each block fits the shared memory an sm_90 block may have.
+
+The interpreter runs the kernels' logic on CPU but never compiles them; this catches the
+rest before a GPU run does: constructs Triton's GPU compiler rejects (seen: an unrolled
+constexpr reassignment, a register gather its layout pass asserts on) and blocks that ask
+for more than 227 KiB of shared memory (seen: a 4-row extend block of the MXFP8 indexer
+at Top-K 2048). tests/compile_for_sm90.py does the compiling in a fresh process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from sglang_hybrid.layers.sparse_mla_backend import _EXTEND_ROW_BLOCK
+
+SM90_SHARED_BYTES = 232448  # 227 KiB, the most one sm_90 block may opt in to
+
+
+@pytest.fixture(scope="module")
+def reports():
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    script = os.path.join(os.path.dirname(__file__), "compile_for_sm90.py")
+    done = subprocess.run([sys.executable, script], env=env, capture_output=True, text=True, timeout=1800)
+    assert done.returncode == 0, done.stderr[-5000:]
+    return {r["case"]: r for r in map(json.loads, done.stdout.splitlines())}
+
+
+CASES = [f"indexer_topk[{kind},block_m={m},compact={c},{dt}]" for kind, m in (("decode", 1), ("extend", _EXTEND_ROW_BLOCK))
+         for c in (False, True) for dt in ("bf16", "mxfp8")] + [
+    "sparse_mla[bf16]", "sparse_mla[fp8]", "quantize_mxfp8", "store_mxfp8", "store_kv_fp8"]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_kernel_compiles_for_sm90_within_shared_memory(reports, case):
+    report = reports[case]
+    assert report["ok"], report["error"]
+    for kernel in report["kernels"]:
+        assert kernel["shared_bytes"] <= SM90_SHARED_BYTES, kernel
