@@ -40,13 +40,13 @@ part() {
     tiny-kernels) run tiny-kernels 280 tests/test_indexer_topk.py tests/test_sparse_mla_kernel.py tests/test_mxfp8.py tests/test_fp8_kv.py tests/test_gpu.py -k "not bf16_statistically and not bench_preset" ;;
     tiny-e2e) run tiny-e2e 300 tests/test_engine.py tests/test_server.py --preset tiny ;;
     tiny-bf16) run tiny-bf16 260 tests/test_gpu.py::test_bf16_statistically_tracks_golden --preset tiny ;;
-    small-e2e) run small-e2e 240 tests/test_server.py --preset small ;;
+    small-e2e) run small-e2e 300 tests/test_engine.py tests/test_server.py --preset small ;;
     small-bf16) run small-bf16 290 tests/test_gpu.py::test_bf16_statistically_tracks_golden --preset small ;;
     # 300 s: the bench server takes ~95 s to start and its first request compiles the kernels.
     bench) run bench 300 tests/test_gpu.py::test_bench_preset_dummy_weights_answers ;;
     timing-decode) timing timing-decode 400 --kind decode ;;
     timing-prefill) timing timing-prefill 400 --kind prefill ;;
-    # The Top-K by compaction against the default, where the default is slowest; prefill's first shapes.
+    # The indexer alone where it is slowest, and prefill's first shape.
     timing-key) timing timing-key 280 --indexer-only --case decode:32x131072 --case decode:64x131072 \
                   --case decode:64x32768 --case decode:8x131072 --case prefill:8192 ;;
     *) echo "usage: bash benchmarks/h200_checks.sh GROUP... (GROUP: PART[,PART...]; parts are named in this file)" >&2

@@ -119,17 +119,8 @@ def bench_indexer(rows, reqs, length, row_len, row_req, g, bw, tflops, block_ms,
             out[f"fused_mxfp8_ms[{tag}]"], _ = timed(
                 lambda: indexer_topk.indexer_topk(qd, w, kd, table, row_req, row_len, TOPK, q_scale=qs, k_scale=ks,
                                                   **opts), decode)
-    # The selection the next stage attends over; compaction and split-K must not change it.
+    # The selection the next stage attends over; split-K must not change it.
     selected = indexer_topk.indexer_topk(q, w, k, table, row_req, row_len, TOPK, block_m=block_ms[0])
-    # The running Top-K by compaction (compact=True) against the default sort every KP positions.
-    try:
-        out["fused_bf16_compact_ms"], _ = timed(
-            lambda: indexer_topk.indexer_topk(q, w, k, table, row_req, row_len, TOPK, block_m=block_ms[0],
-                                              compact=True), decode)
-        out["compact_equals_sort_every_kp"] = bool(torch.equal(selected, indexer_topk.indexer_topk(
-            q, w, k, table, row_req, row_len, TOPK, block_m=block_ms[0], compact=True)))
-    except Exception as e:  # noqa: BLE001  (recorded; the default path's numbers still stand)
-        out["compact_error"] = repr(e)[:2000]
     if decode:
         out["fused_bf16_no_split_ms"], _ = timed(
             lambda: indexer_topk.indexer_topk(q, w, k, table, row_req, row_len, TOPK, programs=1), decode)
@@ -167,6 +158,8 @@ def bench_sparse_mla(rows, reqs, length, table, row_req, selected, g, bw, tflops
     best_h = min((16, 32, 64), key=lambda b: out[f"kernel_bf16_ms[block_h={b}]"])
     out["best_block_h"] = best_h
     best = out[f"kernel_bf16_ms[block_h={best_h}]"]
+    out["kernel_bf16_no_split_ms"] = bench(  # the whole selection in each program (no flash-decoding split)
+        lambda: sparse_mla.sparse_mla(q, kv, table, row_req, selected, RANK, scale, block_h=best_h, programs=1), graph)
     data, kscale = fp8_kv.quantize_kv_fp8_torch(kv[:, :RANK])
     rope = kv[:, RANK:].contiguous()
     try:  # sgl-kernel's FlashMLA sparse kernel on the same BF16 latent (kernels.flashmla_sparse)

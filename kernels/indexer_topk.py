@@ -17,18 +17,11 @@ one int64 key whose signed order is (score, -position): the score's float bits
 mapped to an order-preserving int32 in the high word, 2^31 - 1 - position in the
 low word. Merging is a sort of those keys, so the selection is deterministic.
 
-The running Top-K is a sorted buffer of KP = next_pow2(K) keys, kept one of two ways.
-By default a pending block of KP keys is filled tile by tile and, when full, sorted
-with the running Top-K (2*KP keys), the best KP kept: O(log^2 KP) sort work per
-position. With compact=True only the keys that beat the running KP-th best are kept:
-each tile appends them (at prefix-sum offsets) to a small per-program pending buffer;
-when it could overflow, the buffer is sorted and merged in by one bitonic merge
-(log2 KP stages). Over a history of n positions only about K (1 + ln(n / K)) keys ever
-qualify, so the merge work shrinks with n. The buffer lives in a global scratch of
-PEND keys per row (L2-resident), because Triton 3.6 cannot compile a register gather
-that scatters a tile into it. Both give the same keys in the same order; compaction
-becomes the default once the H200 timings confirm it (benchmarks/sparse_path_timing.md).
-A program serves up to block_m
+The running Top-K is a sorted buffer of KP = next_pow2(K) keys: a pending block of KP
+keys is filled tile by tile and, when full, sorted with the running Top-K (2*KP keys),
+the best KP kept. (A compaction variant, keeping only keys that beat the running K-th
+best and merging them in batches, selected the same keys but was no faster on the H200:
+benchmarks/sparse_path_timing.md, run 14.) A program serves up to block_m
 consecutive rows of one request (the rows of a prefill chunk or of a verify step):
 each K tile is loaded once for all of them, one dot gives every row's logits, and
 the rows keep their running Top-Ks side by side.
@@ -86,47 +79,13 @@ def _tile_keys(s0, n, n_max, req, q, w, table_ptr, k_ptr, ks_ptr, stride_table, 
 
 
 @triton.jit
-def _merge_top(best, pend, fill, NONE: tl.constexpr, BLOCK_M: tl.constexpr, KP: tl.constexpr, PEND: tl.constexpr,
-               LOG_KP: tl.constexpr):
-    """The top KP of best (descending) and the first fill[r] pending keys at pend [BLOCK_M,
-    PEND] (pointers), descending. Against pending sorted ascending and right-aligned in KP
-    lanes, the lane-wise max with best holds the top KP and is bitonic (Batcher), so LOG_KP
-    half-cleaner stages sort it: no full sort of 2 * KP keys."""
-    tl.debug_barrier()  # every thread's appends are visible
-    lanes = tl.arange(0, PEND)[None, :]
-    asc = tl.sort(tl.load(pend, mask=lanes < fill[:, None], other=NONE), dim=1)
-    tl.debug_barrier()  # every thread has read the buffer before the next appends reuse it
-    if PEND <= KP:  # NONE in the KP - PEND leading lanes, then asc
-        chunk = tl.arange(0, KP // PEND)[None, :, None]
-        v = tl.reshape(tl.where(chunk == KP // PEND - 1, asc[:, None, :], NONE), [BLOCK_M, KP])
-    else:  # the top KP of asc: its last KP lanes
-        chunk = tl.arange(0, PEND // KP)[None, :, None]
-        v = tl.max(tl.where(chunk == PEND // KP - 1, tl.reshape(asc, [BLOCK_M, PEND // KP, KP]), NONE), axis=1)
-    x = tl.maximum(best, v)
-    for t in tl.static_range(LOG_KP):
-        x = _half_clean(x, BLOCK_M, KP, LOG_KP - 1 - t)
-    return x
-
-
-@triton.jit
-def _half_clean(x, BLOCK_M: tl.constexpr, KP: tl.constexpr, LOG_S: tl.constexpr):
-    """One bitonic half-cleaner stage at distance S = 2^LOG_S, descending (a helper so that
-    S is a constexpr in each unrolled stage)."""
-    S: tl.constexpr = 1 << LOG_S
-    h = tl.reshape(x, [BLOCK_M, KP // (2 * S), 2, S])
-    hl = tl.join(tl.max(h, axis=2), tl.min(h, axis=2))  # [BLOCK_M, KP // (2S), S, 2]
-    return tl.reshape(tl.permute(hl, (0, 1, 3, 2)), [BLOCK_M, KP])
-
-
-@triton.jit
 def _indexer_topk_kernel(
     q_ptr, w_ptr, k_ptr, table_ptr, row_req_ptr, row_len_ptr, block_start_ptr, block_end_ptr,
-    idx_ptr, score_ptr, qs_ptr, ks_ptr, part_ptr, pend_ptr,
+    idx_ptr, score_ptr, qs_ptr, ks_ptr, part_ptr,
     stride_qr, stride_qh, stride_wr, stride_k, stride_table, stride_out, stride_qsr, stride_qsh, stride_ks,
     H, TOPK, SPLIT_LEN,
     D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr, KP: tl.constexpr,
     WRITE_SCORES: tl.constexpr, GROUP: tl.constexpr, DOT_DTYPE: tl.constexpr, SPLIT: tl.constexpr,
-    PEND: tl.constexpr, LOG_KP: tl.constexpr,
 ):
     # One program: up to BLOCK_M consecutive rows of one request, sharing every K tile, over
     # positions [SPLIT_LEN * split, SPLIT_LEN * (split + 1)) of their history.
@@ -152,33 +111,16 @@ def _indexer_topk_kernel(
     best = tl.full([BLOCK_M, KP], NONE, tl.int64)  # the block's running Top-KP keys
     lo = tl.program_id(1).to(tl.int64) * SPLIT_LEN
     n_max = tl.minimum(tl.max(n, axis=0), lo + SPLIT_LEN)  # the block's longest history, in this split
-    if PEND:  # compaction: only keys that beat the running KP-th best are kept, merged when PEND could fill up
-        program = tl.program_id(0).to(tl.int64) * tl.num_programs(1) + tl.program_id(1)
-        pend = pend_ptr + (program * BLOCK_M + tl.arange(0, BLOCK_M)[:, None]) * PEND  # [BLOCK_M, 1]
-        kth = tl.full([BLOCK_M], NONE, tl.int64)
-        fill = tl.zeros([BLOCK_M], tl.int32)
-        for s0 in range(lo, n_max, BLOCK_S):
-            if tl.max(fill, axis=0) + BLOCK_S > PEND:
-                best = _merge_top(best, pend + tl.arange(0, PEND)[None, :], fill, NONE, BLOCK_M, KP, PEND, LOG_KP)
-                kth = tl.min(best, axis=1)
-                fill = tl.zeros([BLOCK_M], tl.int32)
-            key = _tile_keys(s0, n, n_max, req, q, w, table_ptr, k_ptr, ks_ptr, stride_table, stride_k, stride_ks,
-                             offs_d, NONE, D, BLOCK_M, BLOCK_H, BLOCK_S, GROUP, DOT_DTYPE)
-            beat = key > kth[:, None]
-            tl.store(pend + fill[:, None] + tl.cumsum(beat.to(tl.int32), axis=1) - 1, key, mask=beat)
-            fill += tl.sum(beat.to(tl.int32), axis=1)
-        best = _merge_top(best, pend + tl.arange(0, PEND)[None, :], fill, NONE, BLOCK_M, KP, PEND, LOG_KP)
-    else:  # every KP positions: sort them with the running Top-KP, keep the better half
-        tiles = tl.arange(0, KP // BLOCK_S)
-        for c0 in range(lo, n_max, KP):
-            pending = tl.full([BLOCK_M, KP // BLOCK_S, BLOCK_S], NONE, tl.int64)
-            for j in range(0, KP // BLOCK_S):
-                key = _tile_keys(c0 + j * BLOCK_S, n, n_max, req, q, w, table_ptr, k_ptr, ks_ptr, stride_table,
-                                 stride_k, stride_ks, offs_d, NONE, D, BLOCK_M, BLOCK_H, BLOCK_S, GROUP, DOT_DTYPE)
-                pending = tl.where(tiles[None, :, None] == j, key[:, None, :], pending)
-            both = tl.reshape(tl.join(best, tl.reshape(pending, [BLOCK_M, KP])), [BLOCK_M, 2 * KP])
-            halves = tl.reshape(tl.sort(both, dim=1, descending=True), [BLOCK_M, 2, KP])
-            best = tl.sum(tl.where(tl.arange(0, 2)[None, :, None] == 0, halves, 0), axis=1)
+    tiles = tl.arange(0, KP // BLOCK_S)
+    for c0 in range(lo, n_max, KP):  # every KP positions: sort them with the running Top-KP, keep the better half
+        pending = tl.full([BLOCK_M, KP // BLOCK_S, BLOCK_S], NONE, tl.int64)
+        for j in range(0, KP // BLOCK_S):
+            key = _tile_keys(c0 + j * BLOCK_S, n, n_max, req, q, w, table_ptr, k_ptr, ks_ptr, stride_table,
+                             stride_k, stride_ks, offs_d, NONE, D, BLOCK_M, BLOCK_H, BLOCK_S, GROUP, DOT_DTYPE)
+            pending = tl.where(tiles[None, :, None] == j, key[:, None, :], pending)
+        both = tl.reshape(tl.join(best, tl.reshape(pending, [BLOCK_M, KP])), [BLOCK_M, 2 * KP])
+        halves = tl.reshape(tl.sort(both, dim=1, descending=True), [BLOCK_M, 2, KP])
+        best = tl.sum(tl.where(tl.arange(0, 2)[None, :, None] == 0, halves, 0), axis=1)
 
     offs_k = tl.arange(0, KP)
     if SPLIT:  # the split's Top-K keys, merged across splits by _merge_splits
@@ -245,7 +187,6 @@ def indexer_topk(
     k_scale: torch.Tensor | None = None,
     programs: int | None = None,
     num_warps: int = 4,
-    compact: bool = False,
 ):
     """Top-K history positions per query row.
 
@@ -263,9 +204,7 @@ def indexer_topk(
     blocks, the history is split across programs (split-K, as in flash-decoding) and the
     splits' Top-Ks are merged by one torch.topk over their keys: a few KP-wide rows per
     query row, never a score per position. num_warps: per program (the running Top-K
-    lives in registers: more warps, fewer spills). compact: keep only keys that beat the
-    running K-th best and merge them in batches; the default (False) sorts every K
-    positions into the running Top-K, the path verified on the H200 so far.
+    lives in registers: more warps, fewer spills).
     Returns positions [R, topk] int32 (-1 padded), and their fp32 scores if asked.
     """
     R, H, D = q.shape
@@ -305,19 +244,13 @@ def indexer_topk(
         split_len = _split_len(history, kp, starts.shape[0], programs)
         splits = triton.cdiv(history, split_len)
         part = torch.empty(R, splits, kp, dtype=torch.int64, device=q.device) if splits > 1 else idx
-        pend = max(2 * block_s, min(kp, 256)) if compact else 0
-        # The compaction's pending keys: PEND per row of every program (see the module docstring).
-        pending = torch.empty(starts.shape[0] * splits * block_m * pend, dtype=torch.int64,
-                              device=q.device) if compact else idx
         _indexer_topk_kernel[(starts.shape[0], splits)](
             q, weights, index_k, req_to_token, row_req, row_len, starts, ends, idx, scores, q_scale, k_scale, part,
-            pending,
             q.stride(0), q.stride(1), weights.stride(0), index_k.stride(0), req_to_token.stride(0), idx.stride(0),
             q_scale.stride(0), q_scale.stride(1), k_scale.stride(0),
             H, topk, split_len,
             D=D, BLOCK_M=block_m, BLOCK_H=block_h, BLOCK_S=block_s, KP=kp, WRITE_SCORES=return_scores,
             GROUP=group, DOT_DTYPE=dot_dtype, SPLIT=splits > 1, num_warps=num_warps,
-            PEND=pend, LOG_KP=kp.bit_length() - 1,
         )
         if splits > 1:
             pos, best = _merge_splits(part, topk)

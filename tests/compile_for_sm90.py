@@ -73,19 +73,20 @@ def cases():
     kd, ks = mxfp8.quantize_mxfp8_torch(k.float())
     out = []
     for block_m, kind in ((1, "decode"), (_EXTEND_ROW_BLOCK, "extend")):
-        for compact in (False, True):
-            tag = f"indexer_topk[{kind},block_m={block_m},compact={compact}"
-            out.append((tag + ",bf16]", lambda b=block_m, c=compact: indexer_topk.indexer_topk(
-                q, w, k, table, row_req, row_len, 2048, block_m=b, compact=c)))
-            out.append((tag + ",mxfp8]", lambda b=block_m, c=compact: indexer_topk.indexer_topk(
-                qd, w, kd, table, row_req, row_len, 2048, block_m=b, compact=c, q_scale=qs, k_scale=ks)))
+        out.append((f"indexer_topk[{kind},bf16]", lambda b=block_m: indexer_topk.indexer_topk(
+            q, w, k, table, row_req, row_len, 2048, block_m=b)))
+        out.append((f"indexer_topk[{kind},mxfp8]", lambda b=block_m: indexer_topk.indexer_topk(
+            qd, w, kd, table, row_req, row_len, 2048, block_m=b, q_scale=qs, k_scale=ks)))
     qm = torch.randn(rows, 128, 576, generator=g).bfloat16()
     kv = torch.randn(hist, 576, generator=g).bfloat16()
     selected = torch.randint(0, hist, (rows, 2048), generator=g, dtype=torch.int32)
     data, scale = fp8_kv.quantize_kv_fp8_torch(kv[:, :512])
-    out.append(("sparse_mla[bf16]", lambda: sparse_mla.sparse_mla(qm, kv, table, row_req, selected, 512, 0.07)))
-    out.append(("sparse_mla[fp8]", lambda: sparse_mla.sparse_mla(
-        qm, data, table, row_req, selected, 512, 0.07, kv_scale=scale, kv_rope=kv[:, 512:].contiguous())))
+    for programs, split in ((1, ""), (264, ",split")):  # the whole selection per program, or split (an H200's 2 x 132)
+        out.append((f"sparse_mla[bf16{split}]", lambda p=programs: sparse_mla.sparse_mla(
+            qm, kv, table, row_req, selected, 512, 0.07, programs=p)))
+        out.append((f"sparse_mla[fp8{split}]", lambda p=programs: sparse_mla.sparse_mla(
+            qm, data, table, row_req, selected, 512, 0.07, kv_scale=scale, kv_rope=kv[:, 512:].contiguous(),
+            programs=p)))
     loc = torch.arange(rows, dtype=torch.int64)
     out.append(("quantize_mxfp8", lambda: mxfp8.quantize_mxfp8(q)))
     out.append(("store_mxfp8", lambda: mxfp8.store_mxfp8(k[:rows], loc, kd.clone(), ks.clone())))

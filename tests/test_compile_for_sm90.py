@@ -17,8 +17,6 @@ import sys
 
 import pytest
 
-from sglang_hybrid.layers.sparse_mla_backend import _EXTEND_ROW_BLOCK
-
 SM90_SHARED_BYTES = 232448  # 227 KiB, the most one sm_90 block may opt in to
 
 
@@ -31,9 +29,8 @@ def reports():
     return {r["case"]: r for r in map(json.loads, done.stdout.splitlines())}
 
 
-CASES = [f"indexer_topk[{kind},block_m={m},compact={c},{dt}]" for kind, m in (("decode", 1), ("extend", _EXTEND_ROW_BLOCK))
-         for c in (False, True) for dt in ("bf16", "mxfp8")] + [
-    "sparse_mla[bf16]", "sparse_mla[fp8]", "quantize_mxfp8", "store_mxfp8", "store_kv_fp8"]
+CASES = [f"indexer_topk[{kind},{dtype}]" for kind in ("decode", "extend") for dtype in ("bf16", "mxfp8")] + [
+    "sparse_mla[bf16]", "sparse_mla[fp8]", "sparse_mla[bf16,split]", "sparse_mla[fp8,split]", "quantize_mxfp8", "store_mxfp8", "store_kv_fp8"]
 
 
 @pytest.mark.parametrize("case", CASES)

@@ -53,24 +53,22 @@ SHAPES = [
 
 @pytest.mark.parametrize("row_lens, reqs, H, D, topk", SHAPES)
 @pytest.mark.parametrize("dtype", KERNEL_DTYPES)
-@pytest.mark.parametrize("block_m, programs, compact", [(1, 1, True), (4, 1, True), (1, 64, True), (4, 64, False)])
-def test_exact_inputs_match_reference_including_ties(row_lens, reqs, H, D, topk, dtype, block_m, programs, compact):
+@pytest.mark.parametrize("block_m, programs", [(1, 1), (4, 1), (1, 64), (4, 64)])
+def test_exact_inputs_match_reference_including_ties(row_lens, reqs, H, D, topk, dtype, block_m, programs):
     """Small integers: exact scores, many exact ties (relu zeros, repeated values); rows
     one per program, and in blocks of up to 4 rows of a request sharing K tiles; the
-    whole history in one program, or split across programs and merged (programs=64);
-    the running Top-K by compaction and batched merges, or by a sort every K positions."""
+    whole history in one program, or split across programs and merged (programs=64)."""
     args = _case(row_lens, reqs, H, D, max(max(row_lens), 1), integer=True, dtype=dtype)
-    idx, scores = indexer_topk(*args, topk, return_scores=True, block_s=16, block_m=block_m, programs=programs,
-                               compact=compact)
+    idx, scores = indexer_topk(*args, topk, return_scores=True, block_s=16, block_m=block_m, programs=programs)
     ref_idx, ref_scores = indexer_topk_torch(*args, topk, return_scores=True)
     assert torch.equal(idx.cpu(), ref_idx.cpu())
     assert torch.equal(scores.cpu(), ref_scores.cpu())
 
 
-def test_compaction_with_k_beyond_its_pending_buffer():
-    """K = 300 (KP 512) exceeds the 256-key pending buffer: merges right-align it in KP lanes."""
+def test_top_300_over_several_merges():
+    """K = 300 (KP 512, not a power of two) over histories of several merges, two rows sharing tiles."""
     args = _case([1100, 700], [0, 0], 4, 16, 1100, integer=True, dtype=torch.float32)
-    idx, scores = indexer_topk(*args, 300, return_scores=True, block_s=16, block_m=2, compact=True)
+    idx, scores = indexer_topk(*args, 300, return_scores=True, block_s=16, block_m=2)
     ref_idx, ref_scores = indexer_topk_torch(*args, 300, return_scores=True)
     assert torch.equal(idx.cpu(), ref_idx.cpu())
     assert torch.equal(scores.cpu(), ref_scores.cpu())
@@ -106,7 +104,7 @@ def test_mxfp8_exact_inputs_match_reference_including_ties(row_lens, reqs, H, D,
     group = 32 if D >= 32 else 16  # the default group, or two groups of a 16-wide head
     args, scales = _mxfp8(_case(row_lens, reqs, H, D, max(max(row_lens), 1), integer=True,
                                 dtype=torch.float32), group)
-    idx, scores = indexer_topk(*args, topk, return_scores=True, block_s=16, block_m=4, compact=True, **scales)
+    idx, scores = indexer_topk(*args, topk, return_scores=True, block_s=16, block_m=4, **scales)
     ref_idx, ref_scores = indexer_topk_torch(*args, topk, return_scores=True, **scales)
     assert torch.equal(idx.cpu(), ref_idx.cpu())
     assert torch.equal(scores.cpu(), ref_scores.cpu())

@@ -20,6 +20,7 @@ SHAPES = [
     ([10, 40], [10, 16], 16, 3, 16, 16),     # K larger than the history (-1 padding), full selection
     ([100, 100, 7], [33, 64, 7], 64, 16, 64, 32),  # several blocks, ragged selections
     ([5], [0], 8, 2, 16, 8),                 # nothing selected: zeros
+    ([5, 9], [0, 9], 64, 2, 16, 8),          # split selections: a row with nothing, a row with one split's worth
     ([50, 20], [24, 20], 32, 40, 32, 16),    # heads over three programs of 16, the last partial
 ]
 
@@ -39,11 +40,12 @@ def _case(hist, counts, topk, H, rank, rope, dtype, seed=0):
 
 @pytest.mark.parametrize("hist, counts, topk, H, rank, rope", SHAPES)
 @pytest.mark.parametrize("dtype", KERNEL_DTYPES)
-def test_sparse_mla_matches_reference(hist, counts, topk, H, rank, rope, dtype):
+@pytest.mark.parametrize("programs", [1, 64])  # the whole selection per program, or split and combined
+def test_sparse_mla_matches_reference(hist, counts, topk, H, rank, rope, dtype, programs):
     tol = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}[dtype]
     q, kv, table, rows, selected = _case(hist, counts, topk, H, rank, rope, dtype)
     scale = (rank + rope) ** -0.5
-    out = sparse_mla(q, kv, table, rows, selected, rank, scale, block_n=16, block_h=16)
+    out = sparse_mla(q, kv, table, rows, selected, rank, scale, block_n=16, block_h=16, programs=programs)
     ref = sparse_mla_torch(q, kv, table, rows, selected, rank, scale)
     torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol)
     if not any(counts):
@@ -55,7 +57,8 @@ FP8_SHAPES = [(hist, counts, topk, H, rank, rope) for hist, counts, topk, H, ran
 
 @pytest.mark.parametrize("hist, counts, topk, H, rank, rope", FP8_SHAPES)
 @pytest.mark.parametrize("dtype", KERNEL_DTYPES)
-def test_sparse_mla_fp8_latent_matches_reference(hist, counts, topk, H, rank, rope, dtype):
+@pytest.mark.parametrize("programs", [1, 64])
+def test_sparse_mla_fp8_latent_matches_reference(hist, counts, topk, H, rank, rope, dtype, programs):
     """FP8 latent (tile 16 of the latent width; rope kept in the model dtype), quantized by
     the reference quantizer, dequantized inside the kernel."""
     tol = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}[dtype]
@@ -63,7 +66,8 @@ def test_sparse_mla_fp8_latent_matches_reference(hist, counts, topk, H, rank, ro
     data, kv_scale = quantize_kv_fp8_torch(kv[:, :rank].float(), 16)
     kv_rope = kv[:, rank:].contiguous()
     scale = (rank + rope) ** -0.5
-    out = sparse_mla(q, data, table, rows, selected, rank, scale, block_n=16, block_h=16, kv_scale=kv_scale, kv_rope=kv_rope)
+    out = sparse_mla(q, data, table, rows, selected, rank, scale, block_n=16, block_h=16, kv_scale=kv_scale,
+                     kv_rope=kv_rope, programs=programs)
     ref = sparse_mla_torch(q, data, table, rows, selected, rank, scale, kv_scale=kv_scale, kv_rope=kv_rope)
     torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol)
     # The FP8 latent only rounds the cache: the result stays near the unquantized one.
