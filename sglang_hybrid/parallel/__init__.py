@@ -1,0 +1,1 @@
+"""Context-parallel prefill: zigzag partition of requests over ranks, KDA state summaries."""

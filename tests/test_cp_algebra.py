@@ -1,0 +1,80 @@
+"""Context-parallel prefill algebra on one process: the zigzag partition and the KDA
+chunk summaries against the plain sequential computation (fp32)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sglang_hybrid.parallel.kda_summary import chunk_summary, conv_windows, fold_states
+from sglang_hybrid.parallel.zigzag import chunk_bounds, contiguous_plan, rank_work, zigzag_plan
+from sglang_hybrid.reference.ops import kda_recurrence, l2norm, short_causal_conv
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+@pytest.mark.parametrize("lengths, prefixes", [
+    ([64], [0]),                  # divisible by 2W
+    ([37, 1, 5, 100], [0, 0, 3, 0]),  # ragged, one-token, shorter than 2W, a cached prefix
+    ([0, 9], [4, 0]),             # a request with no new tokens
+])
+def test_zigzag_plan_places_every_token_once_and_restores_order(world, lengths, prefixes):
+    plan = zigzag_plan(lengths, world, prefixes)
+    order = torch.cat(plan.rank_tokens)
+    assert torch.equal(order.sort().values, torch.arange(sum(lengths)))
+    expected_positions = torch.cat([torch.arange(p, p + n) for n, p in zip(lengths, prefixes)])
+    assert torch.equal(torch.cat(plan.rank_positions), expected_positions[order])
+    x = torch.randn(sum(lengths), 3)
+    assert torch.equal(plan.restore([x[t] for t in plan.rank_tokens]), x)
+    # Every rank holds its two chunks of each request: sizes differ by at most 2 per request.
+    sizes = [t.numel() for t in plan.rank_tokens]
+    assert max(sizes) - min(sizes) <= 2 * len(lengths)
+
+
+def test_chunk_bounds_spread_the_remainder_over_the_first_chunks():
+    assert chunk_bounds(10, 4) == [0, 3, 6, 8, 10]
+    assert chunk_bounds(2, 4) == [0, 1, 2, 2, 2]
+
+
+def test_zigzag_balances_causal_work_where_a_contiguous_split_does_not():
+    lengths, world, topk = [32768, 8192, 1000], 4, 2048
+    spread = {}
+    for name, make in (("zigzag", zigzag_plan), ("contiguous", contiguous_plan)):
+        work = [w["indexer_positions"] for w in rank_work(make(lengths, world), topk)]
+        spread[name] = max(work) / min(work)
+    assert spread["zigzag"] < 1.01 < 1.5 < spread["contiguous"]
+
+
+def _kda_inputs(T, H=2, K=8, V=4, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = l2norm(torch.randn(T, H, K, generator=g)) * K**-0.5
+    k = l2norm(torch.randn(T, H, K, generator=g))
+    v = torch.randn(T, H, V, generator=g)
+    decay = -torch.rand(T, H, K, generator=g) * 0.5
+    beta = torch.rand(T, H, generator=g)
+    return q, k, v, decay, beta
+
+
+@pytest.mark.parametrize("sizes", [[37], [10, 0, 1, 26], [5, 5, 5, 5, 17]])
+def test_folded_chunk_summaries_equal_the_sequential_recurrence(sizes):
+    q, k, v, decay, beta = _kda_inputs(sum(sizes))
+    initial = torch.randn(2, 8, 4, generator=torch.Generator().manual_seed(1))  # a cached prefix's state
+    out, final = kda_recurrence(q, k, v, decay, beta, initial)
+    cuts = torch.tensor([0] + sizes).cumsum(0).tolist()
+    chunks = [slice(a, b) for a, b in zip(cuts, cuts[1:])]
+    states = fold_states([chunk_summary(k[c], v[c], decay[c], beta[c]) for c in chunks], initial)
+    torch.testing.assert_close(states[-1], final, rtol=1e-5, atol=1e-5)
+    per_chunk = [kda_recurrence(q[c], k[c], v[c], decay[c], beta[c], s)[0] for c, s in zip(chunks, states)]
+    torch.testing.assert_close(torch.cat(per_chunk), out, rtol=1e-5, atol=1e-5)
+
+
+def test_conv_halo_spans_short_chunks():
+    g = torch.Generator().manual_seed(2)
+    x, weight, window = torch.randn(12, 6, generator=g), torch.randn(6, 4, generator=g), torch.randn(3, 6, generator=g)
+    whole, last = short_causal_conv(x, window, weight)
+    sizes = [1, 2, 0, 4, 5]  # the first chunks are shorter than the 3-token halo
+    cuts = torch.tensor([0] + sizes).cumsum(0).tolist()
+    parts = [x[a:b] for a, b in zip(cuts, cuts[1:])]
+    windows = conv_windows(parts, window)
+    outs = [short_causal_conv(p, w, weight)[0] for p, w in zip(parts, windows)]
+    torch.testing.assert_close(torch.cat(outs), whole)
+    torch.testing.assert_close(windows[-1], last)
