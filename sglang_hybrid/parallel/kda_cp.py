@@ -1,0 +1,98 @@
+"""A KDA layer's recurrence and short conv under zigzag context parallelism.
+
+Each rank holds chunks r and 2W-1-r of every request (parallel.zigzag). Per request it
+summarizes its two chunks (parallel.kda_summary: S_out = M S_in + E), all ranks
+all-gather the summaries and the chunks' conv tails (the last width-1 pre-conv inputs),
+every rank folds the request's 2W chunks in sequence order (fp32), and each rank then
+runs its chunks from their true incoming state and window. All ranks end with the
+request's final state and window; the rank holding the last chunk (rank 0 under zigzag)
+hands them to the cache.
+
+Communication per layer: one all-gather of B x 2 x H x K x (K + V) fp32 summaries and one
+of B x 2 x (width-1) x D conv tails per rank, independent of the chunk length.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from sglang_hybrid.parallel.kda_summary import chunk_summary, conv_windows, fold_states
+from sglang_hybrid.parallel.zigzag import chunk_bounds
+from sglang_hybrid.reference.ops import kda_recurrence, short_causal_conv
+
+
+def local_chunks(lengths: list[int], world: int, rank: int) -> list[list[slice]]:
+    """Per request, the slices of this rank's token rows holding its chunks r and 2W-1-r."""
+    out, start = [], 0
+    for n in lengths:
+        bounds = chunk_bounds(n, 2 * world)
+        sizes = [bounds[c + 1] - bounds[c] for c in (rank, 2 * world - 1 - rank)]
+        out.append([slice(start, start + sizes[0]), slice(start + sizes[0], start + sizes[0] + sizes[1])])
+        start += sum(sizes)
+    return out
+
+
+def _in_sequence_order(gathered: list, world: int) -> list:
+    """[rank][slot] -> the request's 2W chunks in order: chunk c < W is rank c's first,
+    chunk c >= W is rank 2W-1-c's second."""
+    return [gathered[c][0] for c in range(world)] + [gathered[2 * world - 1 - c][1] for c in range(world, 2 * world)]
+
+
+def conv_cp(x: torch.Tensor, windows: torch.Tensor, weight: torch.Tensor, lengths: list[int], group=None):
+    """Short causal conv + SiLU of this rank's pre-conv rows x [T_local, D].
+    windows: [B, width-1, D] each request's window before its new tokens (all ranks the
+    same). Returns (out [T_local, D], final windows [B, width-1, D])."""
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    keep = weight.shape[1] - 1
+    mine = local_chunks(lengths, world, rank)
+    # Each chunk's last `keep` rows (fewer if it is shorter), padded, with their count.
+    tails = x.new_zeros(len(lengths), 2, keep, x.shape[1])
+    counts = torch.zeros(len(lengths), 2, dtype=torch.int64)
+    for i, pair in enumerate(mine):
+        for j, s in enumerate(pair):
+            rows = x[s][max(0, s.stop - s.start - keep):]
+            tails[i, j, keep - rows.shape[0]:] = rows
+            counts[i, j] = rows.shape[0]
+    all_tails, all_counts = _all_gather(tails, group), _all_gather(counts, group)
+    out = torch.empty_like(x)
+    finals = []
+    for i, pair in enumerate(mine):
+        per_chunk = _in_sequence_order([[all_tails[r][i, j, keep - int(all_counts[r][i, j]):] for j in (0, 1)]
+                                        for r in range(world)], world)
+        entering = conv_windows(per_chunk, windows[i])
+        for j, s in enumerate(pair):
+            c = rank if j == 0 else 2 * world - 1 - rank
+            out[s] = short_causal_conv(x[s], entering[c], weight)[0]
+        finals.append(entering[-1])
+    return out, torch.stack(finals)
+
+
+def kda_cp(q, k, v, g, beta, initial: torch.Tensor, lengths: list[int], group=None):
+    """The gated delta rule over this rank's rows (q, k: [T_local, H, K]; v: [T_local, H, V];
+    g: [T_local, H, K]; beta: [T_local, H]) of a zigzag-partitioned batch. initial: [B, H, K, V]
+    each request's state before its new tokens. Returns (o [T_local, H, V], final states [B, H, K, V])."""
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    mine = local_chunks(lengths, world, rank)
+    summaries = torch.stack([torch.stack([torch.cat(chunk_summary(k[s], v[s], g[s], beta[s]), dim=-1)
+                                          for s in pair]) for pair in mine]) if mine else \
+        q.new_zeros(0, 2, q.shape[1], k.shape[2], k.shape[2] + v.shape[2])
+    gathered = _all_gather(summaries, group)  # [W] x [B, 2, H, K, K + V]
+    K = k.shape[2]
+    o = v.new_empty(v.shape)
+    finals = []
+    for i, pair in enumerate(mine):
+        per_chunk = _in_sequence_order([[(gathered[r][i, j, ..., :K], gathered[r][i, j, ..., K:]) for j in (0, 1)]
+                                        for r in range(world)], world)
+        states = fold_states(per_chunk, initial[i])
+        for j, s in enumerate(pair):
+            c = rank if j == 0 else 2 * world - 1 - rank
+            o[s] = kda_recurrence(q[s], k[s], v[s], g[s], beta[s], states[c])[0].to(o.dtype)
+        finals.append(states[-1])
+    return o, (torch.stack(finals) if finals else initial.float())
+
+
+def _all_gather(t: torch.Tensor, group) -> list[torch.Tensor]:
+    out = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(out, t.contiguous(), group=group)
+    return out

@@ -1,0 +1,73 @@
+"""KDA recurrence and short conv under zigzag context parallelism, over W gloo ranks on CPU,
+against the single-process reference (fp32): ragged requests, lengths not divisible by 2W,
+one-token and shorter-than-2W requests, a request continuing from a cached prefix's state."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from conftest import free_port
+
+from sglang_hybrid.parallel.kda_cp import conv_cp, kda_cp
+from sglang_hybrid.parallel.zigzag import zigzag_plan
+from sglang_hybrid.reference.ops import kda_recurrence, l2norm, short_causal_conv
+
+LENGTHS = [37, 1, 5, 20]
+H, K, V, D, WIDTH = 2, 8, 4, 6, 4
+
+
+def _batch():
+    g = torch.Generator().manual_seed(0)
+    T = sum(LENGTHS)
+    return dict(
+        q=l2norm(torch.randn(T, H, K, generator=g)) * K**-0.5, k=l2norm(torch.randn(T, H, K, generator=g)),
+        v=torch.randn(T, H, V, generator=g), g=-torch.rand(T, H, K, generator=g) * 0.5,
+        beta=torch.rand(T, H, generator=g), x=torch.randn(T, D, generator=g),
+        weight=torch.randn(D, WIDTH, generator=g),
+        # Request 3 continues from a cached prefix: a nonzero state and window.
+        initial=torch.stack([torch.zeros(H, K, V)] * 3 + [torch.randn(H, K, V, generator=g)]),
+        windows=torch.stack([torch.zeros(WIDTH - 1, D)] * 3 + [torch.randn(WIDTH - 1, D, generator=g)]))
+
+
+def _reference(b):
+    outs, states, convs, windows, start = [], [], [], [], 0
+    for i, n in enumerate(LENGTHS):
+        s = slice(start, start + n)
+        o, final = kda_recurrence(b["q"][s], b["k"][s], b["v"][s], b["g"][s], b["beta"][s], b["initial"][i])
+        c, w = short_causal_conv(b["x"][s], b["windows"][i], b["weight"])
+        outs.append(o), states.append(final), convs.append(c), windows.append(w)
+        start += n
+    return torch.cat(outs), torch.stack(states), torch.cat(convs), torch.stack(windows)
+
+
+def _worker(rank, world, port):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        b = _batch()
+        plan = zigzag_plan(LENGTHS, world)
+        rows = plan.rank_tokens[rank]
+        o, finals = kda_cp(b["q"][rows], b["k"][rows], b["v"][rows], b["g"][rows], b["beta"][rows], b["initial"],
+                           LENGTHS)
+        c, windows = conv_cp(b["x"][rows], b["windows"], b["weight"], LENGTHS)
+        ref_o, ref_states, ref_c, ref_windows = _reference(b)
+        torch.testing.assert_close(o, ref_o[rows], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(finals, ref_states, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(c, ref_c[rows], rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(windows, ref_windows)
+        # Every rank's rows gathered back and restored: the batch's order.
+        gathered = [None] * world
+        dist.all_gather_object(gathered, o)
+        torch.testing.assert_close(plan.restore(gathered), ref_o, rtol=1e-5, atol=1e-5)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_kda_and_conv_under_zigzag_cp_equal_one_rank(world):
+    mp.spawn(_worker, args=(world, free_port()), nprocs=world, join=True)
