@@ -1,6 +1,7 @@
-"""KDA recurrence and short conv under zigzag context parallelism, over W gloo ranks on CPU,
-against the single-process reference (fp32): ragged requests, lengths not divisible by 2W,
-one-token and shorter-than-2W requests, a request continuing from a cached prefix's state."""
+"""KDA recurrence and short conv, and the sparse (indexer + attention) layer, under zigzag
+context parallelism over W gloo ranks on CPU, against the single-process reference (fp32):
+ragged requests, lengths not divisible by 2W, one-token and shorter-than-2W requests, a
+request continuing from a cached prefix (its state and window; its index-K and KV)."""
 
 from __future__ import annotations
 
@@ -14,8 +15,10 @@ import torch.multiprocessing as mp
 from conftest import free_port
 
 from sglang_hybrid.parallel.kda_cp import conv_cp, kda_cp
+from sglang_hybrid.parallel.sparse_cp import sparse_layer_cp
 from sglang_hybrid.parallel.zigzag import zigzag_plan
-from sglang_hybrid.reference.ops import kda_recurrence, l2norm, short_causal_conv
+from sglang_hybrid.reference.ops import (indexer_scores, kda_recurrence, l2norm, short_causal_conv, sparse_attention,
+                                         topk_positions)
 
 LENGTHS = [37, 1, 5, 20]
 H, K, V, D, WIDTH = 2, 8, 4, 6, 4
@@ -71,3 +74,51 @@ def _worker(rank, world, port):
 @pytest.mark.parametrize("world", [2, 4])
 def test_kda_and_conv_under_zigzag_cp_equal_one_rank(world):
     mp.spawn(_worker, args=(world, free_port()), nprocs=world, join=True)
+
+
+HI, DI, HQ, DQK, DV, TOPK = 3, 8, 2, 8, 4, 6
+
+
+def _sparse_batch():
+    g = torch.Generator().manual_seed(3)
+    T = sum(LENGTHS)
+    rnd = lambda *shape: torch.randn(*shape, generator=g)  # noqa: E731
+    prefix = (rnd(9, DI), rnd(9, HQ, DQK), rnd(9, HQ, DV))  # request 3 continues a 9-token cached prefix
+    return dict(index_q=rnd(T, HI, DI), index_w=rnd(T, HI), index_k=rnd(T, DI), q=rnd(T, HQ, DQK),
+                k=rnd(T, HQ, DQK), v=rnd(T, HQ, DV), prefixes=[None, None, None, prefix])
+
+
+def _sparse_reference(b):
+    outs, start = [], 0
+    for i, n in enumerate(LENGTHS):
+        s = slice(start, start + n)
+        ik, k, v = b["index_k"][s], b["k"][s], b["v"][s]
+        offset = 0
+        if b["prefixes"][i] is not None:
+            pik, pk, pv = b["prefixes"][i]
+            ik, k, v, offset = torch.cat([pik, ik]), torch.cat([pk, k]), torch.cat([pv, v]), pik.shape[0]
+        positions = torch.arange(offset, offset + n)
+        selected = topk_positions(indexer_scores(b["index_q"][s], b["index_w"][s], ik, positions), TOPK)
+        outs.append(sparse_attention(b["q"][s], k, v, selected, 0.3))
+        start += n
+    return torch.cat(outs)
+
+
+def _sparse_worker(rank, world, port):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        b = _sparse_batch()
+        prefix_lens = [0 if p is None else p[0].shape[0] for p in b["prefixes"]]
+        plan = zigzag_plan(LENGTHS, world, prefix_lens)
+        rows = plan.rank_tokens[rank]
+        out = sparse_layer_cp(*(b[name][rows] for name in ("index_q", "index_w", "index_k", "q", "k", "v")),
+                              plan, LENGTHS, TOPK, 0.3, b["prefixes"])
+        torch.testing.assert_close(out, _sparse_reference(b)[rows], rtol=1e-5, atol=1e-5)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_sparse_layer_under_zigzag_cp_equals_one_rank(world):
+    mp.spawn(_sparse_worker, args=(world, free_port()), nprocs=world, join=True)
