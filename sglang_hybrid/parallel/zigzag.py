@@ -45,6 +45,11 @@ class ZigzagPlan:
     rank_tokens: list[torch.Tensor]
     rank_positions: list[torch.Tensor]
 
+    @property
+    def total(self) -> int:
+        """New tokens in the batch."""
+        return sum(t.numel() for t in self.rank_tokens)
+
     def restore(self, per_rank: list[torch.Tensor]) -> torch.Tensor:
         """Rank outputs (dim 0 in rank_tokens order) -> the batch's original token order."""
         order = torch.cat(self.rank_tokens)

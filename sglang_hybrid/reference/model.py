@@ -77,15 +77,17 @@ class GoldenModel:
     def forward(self, input_ids: list[int], cache: SequenceCache | None = None) -> torch.Tensor:
         """Logits [T, vocab] for the new tokens, continuing the sequence in `cache`."""
         cache = cache if cache is not None else self.new_cache()
-        ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
         positions = torch.arange(cache.length, cache.length + len(input_ids), device=self.device)
-        x = self.w["model.embed_tokens.weight"][ids]
-        c = self.config
-        if c.attn_res_block_size is None:
+        logits = self._forward(input_ids, positions, cache)
+        cache.length += len(input_ids)
+        return logits
+
+    def _forward(self, input_ids, positions, cache):
+        x = self.w["model.embed_tokens.weight"][torch.tensor(input_ids, dtype=torch.long, device=self.device)]
+        if self.config.attn_res_block_size is None:
             h = self._residual_stream(x, positions, cache)
         else:
             h = self._attn_res_stream(x, positions, cache)
-        cache.length += len(input_ids)
         return h @ self._lm_head().T
 
     def with_weights_rounded_to(self, dtype: torch.dtype) -> "GoldenModel":
@@ -168,17 +170,32 @@ class GoldenModel:
         T = x.shape[0]
         pre = torch.cat([x @ w[p + n + "_proj.weight"].T for n in ("q", "k", "v")], dim=-1)
         conv_w = torch.cat([w[p + n + "_conv1d.weight"].reshape(H * K, -1) for n in ("q", "k", "v")], dim=0)
-        qkv, lc.conv = ops.short_causal_conv(pre, lc.conv, conv_w)
+        qkv = self._conv(pre, conv_w, lc)
         q, k, v = qkv.reshape(T, 3, H, K).unbind(1)
         q = ops.l2norm(q) * K**-0.5
         k = ops.l2norm(k)
         f = (x @ w[p + "f_a_proj.weight"].T) @ w[p + "f_b_proj.weight"].T
         g = ops.kda_gate(f.reshape(T, H, K), w[p + "A_log"], w[p + "dt_bias"])
         beta = (x @ w[p + "b_proj.weight"].T).sigmoid()
-        o, lc.state = ops.kda_recurrence(q, k, v, g, beta, lc.state)
+        o = self._recurrence(q, k, v, g, beta, lc)
         gate = (x @ w[p + "g_a_proj.weight"].T) @ w[p + "g_b_proj.weight"].T
         o = ops.rms_norm(o, w[p + "o_norm.weight"], self.config.rms_norm_eps) * gate.reshape(T, H, K).sigmoid()
         return o.reshape(T, H * K) @ w[p + "o_proj.weight"].T
+
+    # The steps that carry state across tokens, apart so that context parallelism
+    # (parallel.golden_cp) can replace them and nothing else.
+    def _conv(self, pre, conv_w, lc: KDACache):
+        out, lc.conv = ops.short_causal_conv(pre, lc.conv, conv_w)
+        return out
+
+    def _recurrence(self, q, k, v, g, beta, lc: KDACache):
+        o, lc.state = ops.kda_recurrence(q, k, v, g, beta, lc.state)
+        return o
+
+    def _append_history(self, lc: MLACache, latent, rope_key, index_key):
+        lc.latent.append(latent)
+        lc.rope_key.append(rope_key)
+        lc.index_key.append(index_key)
 
     def _sparse_mla(self, i, x, positions, lc: MLACache):
         c, w = self.config, self.w
@@ -189,9 +206,8 @@ class GoldenModel:
         q_latent = ops.rms_norm(x @ w[p + "q_a_proj.weight"].T, w[p + "q_a_layernorm.weight"], c.rms_norm_eps)
         q = (q_latent @ w[p + "q_b_proj.weight"].T).reshape(T, H, nope + rope)
         kv = x @ w[p + "kv_a_proj_with_mqa.weight"].T
-        lc.latent.append(self._latent_cached(ops.rms_norm(kv[:, :rank], w[p + "kv_a_layernorm.weight"], c.rms_norm_eps)))
-        lc.rope_key.append(kv[:, rank:])
-        lc.index_key.append(self._index_key(p, x, positions))
+        latent = self._latent_cached(ops.rms_norm(kv[:, :rank], w[p + "kv_a_layernorm.weight"], c.rms_norm_eps))
+        self._append_history(lc, latent, kv[:, rank:], self._index_key(p, x, positions))
 
         latent = torch.cat(lc.latent)  # [S, rank]
         S = latent.shape[0]
