@@ -46,6 +46,8 @@ part() {
     bench) run bench 300 tests/test_gpu.py::test_bench_preset_dummy_weights_answers ;;
     timing-decode) timing timing-decode 400 --kind decode ;;
     timing-prefill) timing timing-prefill 400 --kind prefill ;;
+    # Where the indexer's time goes (tile size, paging, sort work) at two large decode shapes.
+    timing-ablate) timing timing-ablate 280 --indexer-only --ablate --case decode:32x131072 --case decode:64x131072 ;;
     # The indexer alone where it is slowest, and prefill's first shape.
     timing-key) timing timing-key 280 --indexer-only --case decode:32x131072 --case decode:64x131072 \
                   --case decode:64x32768 --case decode:8x131072 --case prefill:8192 ;;

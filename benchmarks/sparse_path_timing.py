@@ -139,6 +139,24 @@ def bench_indexer(rows, reqs, length, row_len, row_req, g, bw, tflops, block_ms,
     return out, table, selected
 
 
+def ablate_indexer(rows, reqs, length, row_len, row_req, g, decode):
+    """Where the fused indexer's time goes, one factor at a time against the default:
+    the tile size (positions per step), a contiguous history (no page-table indirection),
+    and Top-K 16 (the same scoring loop, almost no sort work)."""
+    out = {}
+    k, table = paged_history(reqs, length, D, g)
+    q = torch.randn(rows, HI, D, device="cuda", generator=g, dtype=torch.bfloat16)
+    w = torch.randn(rows, HI, device="cuda", generator=g)
+    contiguous = torch.arange(reqs * length, device="cuda", dtype=torch.int32).view(reqs, length)
+    for block_s in (32, 64, 128):
+        out[f"block_s={block_s}"] = bench(
+            lambda: indexer_topk.indexer_topk(q, w, k, table, row_req, row_len, TOPK, block_s=block_s), decode)
+    out["contiguous_history"] = bench(
+        lambda: indexer_topk.indexer_topk(q, w, k, contiguous, row_req, row_len, TOPK), decode)
+    out["topk=16"] = bench(lambda: indexer_topk.indexer_topk(q, w, k, table, row_req, row_len, 16), decode)
+    return out
+
+
 def bench_sparse_mla(rows, reqs, length, table, row_req, selected, g, bw, tflops, graph):
     out = {}
     kv, _ = paged_history(reqs, length, RANK + ROPE, g)
@@ -194,6 +212,7 @@ def main() -> None:
     ap.add_argument("--case", action="append", default=[], metavar="KIND:[BATCHx]HISTORY",
                     help="only these cases, e.g. decode:64x131072 or prefill:32768 (repeatable)")
     ap.add_argument("--indexer-only", action="store_true", help="time the indexer, not sparse MLA")
+    ap.add_argument("--ablate", action="store_true", help="also time the indexer's ablations (ablate_indexer)")
     ap.add_argument("--quick", action="store_true", help="one small case of each kind")
     args = ap.parse_args()
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -222,6 +241,8 @@ def main() -> None:
                 block_ms = (1, 2)  # indexer_topk caps block_m at 4096 // KP = 2
             case["indexer"], table, selected = bench_indexer(rows, reqs, length, row_len, row_req, g, bw, tflops,
                                                              block_ms, kind == "decode")
+            if args.ablate:
+                case["indexer_ablation_ms"] = ablate_indexer(rows, reqs, length, row_len, row_req, g, kind == "decode")
             if not args.indexer_only:
                 case["sparse_mla"] = bench_sparse_mla(rows, reqs, length, table, row_req, selected, g, bw, tflops,
                                                       kind == "decode")
