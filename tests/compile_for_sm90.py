@@ -8,7 +8,7 @@ cannot: constructs the GPU compiler rejects, and blocks that ask for more shared
 memory than an sm_90 block may have. Run in a fresh process without TRITON_INTERPRET
 (tests/test_compile_for_sm90.py does); prints one JSON line per case.
 
-    python tests/compile_for_sm90.py [CASE_SUBSTRING]
+    python tests/compile_for_sm90.py [CASE_SUBSTRING] [--shard I/N]
 """
 
 from __future__ import annotations
@@ -97,9 +97,15 @@ def cases():
 def main() -> None:
     driver.set_active(_Sm90Driver())
     jit.JITFunction.run = _compile_instead_of_launch(jit.JITFunction.run)
-    wanted = sys.argv[1] if len(sys.argv) > 1 else ""
-    for name, thunk in cases():
-        if wanted not in name:
+    args = sys.argv[1:]
+    shard, shards = 0, 1
+    if "--shard" in args:
+        at = args.index("--shard")
+        shard, shards = map(int, args[at + 1].split("/"))
+        del args[at:at + 2]
+    wanted = args[0] if args else ""
+    for i, (name, thunk) in enumerate(cases()):
+        if wanted not in name or i % shards != shard:
             continue
         t0, _compiled[:] = time.time(), []
         report = {"case": name}
