@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import os
+import pkgutil
 
 import pytest
 import torch
@@ -38,10 +39,17 @@ def _interpreting():
 
 
 def prepare() -> None:
-    """Define Triton's library in the mode the kernel tests launch in (call before any Triton import)."""
+    """Define Triton's library, and this project's kernels, in the mode the kernel tests
+    launch in (call before any Triton import). The kernels too: a test module that imports
+    the golden model (which imports kernel modules for their PyTorch references) may be
+    collected before the kernel tests, and a module is defined once per process."""
     with _interpreting():
         import triton.experimental.gluon.language  # noqa: F401
         import triton.language  # noqa: F401
+
+        import sglang_hybrid.kernels
+        for module in pkgutil.iter_modules(sglang_hybrid.kernels.__path__):
+            importlib.import_module(f"sglang_hybrid.kernels.{module.name}")
 
 
 def import_kernels(name: str):
