@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from sglang_hybrid.parallel.kda_summary import chunk_summary, conv_windows, fold_states
-from sglang_hybrid.parallel.zigzag import chunk_bounds
+from sglang_hybrid.parallel.zigzag import chunk_bounds, zigzag_chunks
 from sglang_hybrid.reference.ops import kda_recurrence, short_causal_conv
 
 
@@ -27,7 +27,7 @@ def local_chunks(lengths: list[int], world: int, rank: int) -> list[list[slice]]
     out, start = [], 0
     for n in lengths:
         bounds = chunk_bounds(n, 2 * world)
-        sizes = [bounds[c + 1] - bounds[c] for c in (rank, 2 * world - 1 - rank)]
+        sizes = [bounds[c + 1] - bounds[c] for c in zigzag_chunks(rank, world)]
         out.append([slice(start, start + sizes[0]), slice(start + sizes[0], start + sizes[0] + sizes[1])])
         start += sum(sizes)
     return out
@@ -61,8 +61,7 @@ def conv_cp(x: torch.Tensor, windows: torch.Tensor, weight: torch.Tensor, length
         per_chunk = _in_sequence_order([[all_tails[r][i, j, keep - int(all_counts[r][i, j]):] for j in (0, 1)]
                                         for r in range(world)], world)
         entering = conv_windows(per_chunk, windows[i])
-        for j, s in enumerate(pair):
-            c = rank if j == 0 else 2 * world - 1 - rank
+        for s, c in zip(pair, zigzag_chunks(rank, world)):
             out[s] = short_causal_conv(x[s], entering[c], weight)[0]
         finals.append(entering[-1])
     return out, torch.stack(finals)
@@ -85,8 +84,7 @@ def kda_cp(q, k, v, g, beta, initial: torch.Tensor, lengths: list[int], group=No
         per_chunk = _in_sequence_order([[(gathered[r][i, j, ..., :K], gathered[r][i, j, ..., K:]) for j in (0, 1)]
                                         for r in range(world)], world)
         states = fold_states(per_chunk, initial[i])
-        for j, s in enumerate(pair):
-            c = rank if j == 0 else 2 * world - 1 - rank
+        for s, c in zip(pair, zigzag_chunks(rank, world)):
             o[s] = kda_recurrence(q[s], k[s], v[s], g[s], beta[s], states[c])[0].to(o.dtype)
         finals.append(states[-1])
     return o, (torch.stack(finals) if finals else initial.float())

@@ -79,9 +79,14 @@ def _plan(lengths: list[int], world: int, prefix_lens: list[int] | None, owner) 
     return ZigzagPlan(world, [as_tensor(t) for t in tokens], [as_tensor(p) for p in positions])
 
 
+def zigzag_chunks(rank: int, world: int) -> tuple[int, int]:
+    """The two of a request's 2W chunks that a rank holds."""
+    return rank, 2 * world - 1 - rank
+
+
 def zigzag_plan(lengths: list[int], world: int, prefix_lens: list[int] | None = None) -> ZigzagPlan:
     """Rank r holds chunks r and 2W-1-r of every request's new tokens."""
-    return _plan(lengths, world, prefix_lens, lambda r, w: (r, 2 * w - 1 - r))
+    return _plan(lengths, world, prefix_lens, zigzag_chunks)
 
 
 def contiguous_plan(lengths: list[int], world: int, prefix_lens: list[int] | None = None) -> ZigzagPlan:
