@@ -126,6 +126,12 @@ def bench_indexer(rows, reqs, length, row_len, row_req, g, bw, tflops, block_ms,
             lambda: indexer_topk.indexer_topk(q, w, k, table, row_req, row_len, TOPK, programs=1), decode)
         out["split_equals_no_split"] = bool(torch.equal(selected, indexer_topk.indexer_topk(
             q, w, k, table, row_req, row_len, TOPK, programs=1)))
+    # Against the fp32 PyTorch reference on a few rows: the same positions up to near ties
+    # (the kernel's bf16 products are exact, its fp32 sums run in another order).
+    few = slice(0, min(rows, 4)) if decode else slice(rows - 4, rows)
+    reference = indexer_topk.indexer_topk_torch(q[few], w[few], k, table, row_req[few], row_len[few], TOPK)
+    out["overlap_with_fp32_reference"] = sum(
+        len(set(a.tolist()) & set(b.tolist())) for a, b in zip(selected[few], reference)) / reference.numel()
     best = min(v for key, v in out.items() if key.startswith("fused_bf16_ms"))
     best_mx = min(v for key, v in out.items() if key.startswith("fused_mxfp8_ms"))
     out["unfused_ms"], out["unfused_extra_bytes"] = timed(
@@ -141,8 +147,9 @@ def bench_indexer(rows, reqs, length, row_len, row_req, g, bw, tflops, block_ms,
 
 def ablate_indexer(rows, reqs, length, row_len, row_req, g, decode):
     """Where the fused indexer's time goes, one factor at a time against the default:
-    the tile size (positions per step), a contiguous history (no page-table indirection),
-    and Top-K 16 (the same scoring loop, almost no sort work)."""
+    the tile size (positions per step), the software-pipelining depth of the tile loads,
+    a contiguous history (no page-table indirection), and Top-K 16 (the same scoring
+    loop, almost no sort work)."""
     out = {}
     k, table = paged_history(reqs, length, D, g)
     q = torch.randn(rows, HI, D, device="cuda", generator=g, dtype=torch.bfloat16)
@@ -151,6 +158,9 @@ def ablate_indexer(rows, reqs, length, row_len, row_req, g, decode):
     for block_s in (32, 64, 128):
         out[f"block_s={block_s}"] = bench(
             lambda: indexer_topk.indexer_topk(q, w, k, table, row_req, row_len, TOPK, block_s=block_s), decode)
+    for stages in (2, 4):
+        out[f"num_stages={stages}"] = bench(
+            lambda: indexer_topk.indexer_topk(q, w, k, table, row_req, row_len, TOPK, num_stages=stages), decode)
     out["contiguous_history"] = bench(
         lambda: indexer_topk.indexer_topk(q, w, k, contiguous, row_req, row_len, TOPK), decode)
     out["topk=16"] = bench(lambda: indexer_topk.indexer_topk(q, w, k, table, row_req, row_len, 16), decode)

@@ -17,11 +17,16 @@ one int64 key whose signed order is (score, -position): the score's float bits
 mapped to an order-preserving int32 in the high word, 2^31 - 1 - position in the
 low word. Merging is a sort of those keys, so the selection is deterministic.
 
-The running Top-K is a sorted buffer of KP = next_pow2(K) keys: a pending block of KP
-keys is filled tile by tile and, when full, sorted with the running Top-K (2*KP keys),
-the best KP kept. (A compaction variant, keeping only keys that beat the running K-th
-best and merging them in batches, selected the same keys but was no faster on the H200:
-benchmarks/sparse_path_timing.md, run 14.) A program serves up to block_m
+The running Top-K is a sorted buffer of KP = next_pow2(K) keys. A scored tile keeps
+only the keys that beat its worst key (a key below it can never enter: the buffer only
+improves); they are appended to the program's candidate buffer (KP keys in global
+memory, L2-resident: a bound per program, never per position), and when that buffer
+might not take the next tile it is sorted with the running Top-KP and the better half
+kept. Over n positions in random order about KP (1 + ln(n / KP)) keys ever beat the
+bar, so a program sorts a few times instead of once every KP positions; a history that
+only rises degrades to a sort every KP positions, never to a wrong answer. (Run 14
+tried merging candidates 256 at a time from registers: no faster, since every tile
+still paid for a select over the whole pending block.) A program serves up to block_m
 consecutive rows of one request (the rows of a prefill chunk or of a verify step):
 each K tile is loaded once for all of them, one dot gives every row's logits, and
 the rows keep their running Top-Ks side by side.
@@ -38,6 +43,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.interpreter import InterpretedFunction
 
 from sglang_hybrid.kernels.mxfp8 import dequantize_mxfp8
 from sglang_hybrid.reference.ops import topk_positions
@@ -79,13 +85,43 @@ def _tile_keys(s0, n, n_max, req, q, w, table_ptr, k_ptr, ks_ptr, stride_table, 
 
 
 @triton.jit
+def _after_barrier(x, GPU: tl.constexpr):
+    """x (an int32 [1]) once every thread of the block has reached here; bar.sync orders
+    global memory too, so what the block stored before is visible to all its threads. Not
+    tl.debug_barrier: Triton's software pipeliner gives up on a loop that holds one, and
+    the tile loads must stay pipelined. The data dependence on x orders it in the code."""
+    if GPU:
+        x = tl.inline_asm_elementwise("bar.sync 0;\n\tmov.b32 $0, $1;", "=r,r", [x], dtype=tl.int32,
+                                      is_pure=False, pack=1)
+    return x
+
+
+@triton.jit
+def _merge_candidates(best, cand, count, offs_k, NONE: tl.constexpr, BLOCK_M: tl.constexpr, KP: tl.constexpr,
+                      GPU: tl.constexpr):
+    """Sort the candidate buffer with the running Top-KP, keep the better half: (best, its worst key, 0)."""
+    waiting = tl.max(_after_barrier(tl.max(count, axis=0) + tl.zeros([1], tl.int32), GPU), axis=0)
+    take = (offs_k[None, :] < count[:, None]) & (waiting > 0)  # all the block's stores are in
+    pending = tl.load(cand + offs_k[None, :], mask=take, other=NONE, cache_modifier=".cg")
+    both = tl.reshape(tl.join(best, pending), [BLOCK_M, 2 * KP])
+    halves = tl.reshape(tl.sort(both, dim=1, descending=True), [BLOCK_M, 2, KP])
+    best = tl.sum(tl.where(tl.arange(0, 2)[None, :, None] == 0, halves, 0), axis=1)
+    bar = tl.min(best, axis=1)
+    # Every thread has read its candidates before the next tile's stores (which depend on the
+    # returned count) overwrite them.
+    read = tl.max(_after_barrier((tl.max(bar, axis=0) > NONE).to(tl.int32) + tl.zeros([1], tl.int32), GPU), axis=0)
+    return best, bar, tl.zeros([BLOCK_M], tl.int32) + tl.minimum(read, 0)
+
+
+@triton.jit
 def _indexer_topk_kernel(
     q_ptr, w_ptr, k_ptr, table_ptr, row_req_ptr, row_len_ptr, block_start_ptr, block_end_ptr,
-    idx_ptr, score_ptr, qs_ptr, ks_ptr, part_ptr,
+    idx_ptr, score_ptr, qs_ptr, ks_ptr, part_ptr, cand_ptr,
     stride_qr, stride_qh, stride_wr, stride_k, stride_table, stride_out, stride_qsr, stride_qsh, stride_ks,
     H, TOPK, SPLIT_LEN,
     D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr, KP: tl.constexpr,
     WRITE_SCORES: tl.constexpr, GROUP: tl.constexpr, DOT_DTYPE: tl.constexpr, SPLIT: tl.constexpr,
+    GPU: tl.constexpr,
 ):
     # One program: up to BLOCK_M consecutive rows of one request, sharing every K tile, over
     # positions [SPLIT_LEN * split, SPLIT_LEN * (split + 1)) of their history.
@@ -108,21 +144,26 @@ def _indexer_topk_kernel(
                 other=0.0).to(tl.float32)  # [BLOCK_M, BLOCK_H]
 
     NONE: tl.constexpr = -9223372036854775807 - 1
-    best = tl.full([BLOCK_M, KP], NONE, tl.int64)  # the block's running Top-KP keys
+    offs_k = tl.arange(0, KP)
+    best = tl.full([BLOCK_M, KP], NONE, tl.int64)  # the block's running Top-KP keys, sorted
+    bar = tl.full([BLOCK_M], NONE, tl.int64)  # the worst of them: a key must beat it to matter
+    count = tl.zeros([BLOCK_M], tl.int32)  # keys waiting in the program's candidate buffer
+    cand = cand_ptr + ((tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)) * BLOCK_M
+                       + tl.arange(0, BLOCK_M).to(tl.int64))[:, None] * KP  # [BLOCK_M, 1]
     lo = tl.program_id(1).to(tl.int64) * SPLIT_LEN
     n_max = tl.minimum(tl.max(n, axis=0), lo + SPLIT_LEN)  # the block's longest history, in this split
-    tiles = tl.arange(0, KP // BLOCK_S)
-    for c0 in range(lo, n_max, KP):  # every KP positions: sort them with the running Top-KP, keep the better half
-        pending = tl.full([BLOCK_M, KP // BLOCK_S, BLOCK_S], NONE, tl.int64)
-        for j in range(0, KP // BLOCK_S):
-            key = _tile_keys(c0 + j * BLOCK_S, n, n_max, req, q, w, table_ptr, k_ptr, ks_ptr, stride_table,
-                             stride_k, stride_ks, offs_d, NONE, D, BLOCK_M, BLOCK_H, BLOCK_S, GROUP, DOT_DTYPE)
-            pending = tl.where(tiles[None, :, None] == j, key[:, None, :], pending)
-        both = tl.reshape(tl.join(best, tl.reshape(pending, [BLOCK_M, KP])), [BLOCK_M, 2 * KP])
-        halves = tl.reshape(tl.sort(both, dim=1, descending=True), [BLOCK_M, 2, KP])
-        best = tl.sum(tl.where(tl.arange(0, 2)[None, :, None] == 0, halves, 0), axis=1)
+    for s0 in range(lo, n_max, BLOCK_S):  # score a tile; keep only the keys that beat the running KP-th best
+        key = _tile_keys(s0, n, n_max, req, q, w, table_ptr, k_ptr, ks_ptr, stride_table, stride_k, stride_ks,
+                         offs_d, NONE, D, BLOCK_M, BLOCK_H, BLOCK_S, GROUP, DOT_DTYPE)
+        beats = key > bar[:, None]
+        at = count[:, None] + tl.cumsum(beats.to(tl.int32), axis=1) - 1
+        tl.store(cand + at, key, mask=beats)
+        count += tl.sum(beats.to(tl.int32), axis=1)
+        if tl.max(count, axis=0) > KP - BLOCK_S:  # the buffer might not take the next tile
+            best, bar, count = _merge_candidates(best, cand, count, offs_k, NONE, BLOCK_M, KP, GPU)
+    if tl.max(count, axis=0) > 0:
+        best, bar, count = _merge_candidates(best, cand, count, offs_k, NONE, BLOCK_M, KP, GPU)
 
-    offs_k = tl.arange(0, KP)
     if SPLIT:  # the split's Top-K keys, merged across splits by _merge_splits
         part = (rows[:, None] * tl.num_programs(1) + tl.program_id(1)) * KP + offs_k[None, :]
         tl.store(part_ptr + part, best, mask=live[:, None])
@@ -187,6 +228,7 @@ def indexer_topk(
     k_scale: torch.Tensor | None = None,
     programs: int | None = None,
     num_warps: int = 4,
+    num_stages: int = 3,
 ):
     """Top-K history positions per query row.
 
@@ -204,7 +246,8 @@ def indexer_topk(
     blocks, the history is split across programs (split-K, as in flash-decoding) and the
     splits' Top-Ks are merged by one torch.topk over their keys: a few KP-wide rows per
     query row, never a score per position. num_warps: per program (the running Top-K
-    lives in registers: more warps, fewer spills).
+    lives in registers: more warps, fewer spills). num_stages: Triton's software
+    pipelining depth for the tile loads.
     Returns positions [R, topk] int32 (-1 padded), and their fp32 scores if asked.
     """
     R, H, D = q.shape
@@ -244,13 +287,14 @@ def indexer_topk(
         split_len = _split_len(history, kp, starts.shape[0], programs)
         splits = triton.cdiv(history, split_len)
         part = torch.empty(R, splits, kp, dtype=torch.int64, device=q.device) if splits > 1 else idx
+        cand = torch.empty(starts.shape[0] * splits * block_m * kp, dtype=torch.int64, device=q.device)
         _indexer_topk_kernel[(starts.shape[0], splits)](
-            q, weights, index_k, req_to_token, row_req, row_len, starts, ends, idx, scores, q_scale, k_scale, part,
+            q, weights, index_k, req_to_token, row_req, row_len, starts, ends, idx, scores, q_scale, k_scale, part, cand,
             q.stride(0), q.stride(1), weights.stride(0), index_k.stride(0), req_to_token.stride(0), idx.stride(0),
             q_scale.stride(0), q_scale.stride(1), k_scale.stride(0),
             H, topk, split_len,
             D=D, BLOCK_M=block_m, BLOCK_H=block_h, BLOCK_S=block_s, KP=kp, WRITE_SCORES=return_scores,
-            GROUP=group, DOT_DTYPE=dot_dtype, SPLIT=splits > 1, num_warps=num_warps,
+            GROUP=group, DOT_DTYPE=dot_dtype, SPLIT=splits > 1, GPU=not isinstance(_indexer_topk_kernel, InterpretedFunction), num_warps=num_warps, num_stages=num_stages,
         )
         if splits > 1:
             pos, best = _merge_splits(part, topk)
