@@ -148,22 +148,30 @@ def bench_indexer(rows, reqs, length, row_len, row_req, g, bw, tflops, block_ms,
 def ablate_indexer(rows, reqs, length, row_len, row_req, g, decode):
     """Where the fused indexer's time goes, one factor at a time against the default:
     the tile size (positions per step), the software-pipelining depth of the tile loads,
-    a contiguous history (no page-table indirection), and Top-K 16 (the same scoring
-    loop, almost no sort work)."""
+    how many programs share the GPU (the default targets 2 per SM, what fits side by
+    side), a contiguous history (no page-table indirection), and Top-K 16 (the same
+    scoring loop, almost no sort work). Each time is printed as it comes, so a cut run
+    keeps what it measured."""
     out = {}
     k, table = paged_history(reqs, length, D, g)
     q = torch.randn(rows, HI, D, device="cuda", generator=g, dtype=torch.bfloat16)
     w = torch.randn(rows, HI, device="cuda", generator=g)
     contiguous = torch.arange(reqs * length, device="cuda", dtype=torch.int32).view(reqs, length)
-    for block_s in (32, 64, 128):
-        out[f"block_s={block_s}"] = bench(
-            lambda: indexer_topk.indexer_topk(q, w, k, table, row_req, row_len, TOPK, block_s=block_s), decode)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+
+    def run(key, topk=TOPK, history=table, **opts):
+        out[key] = bench(lambda: indexer_topk.indexer_topk(q, w, k, history, row_req, row_len, topk, **opts), decode)
+        print(json.dumps({"ablation": key, "ms": out[key]}), flush=True)
+
+    run("default")
+    run("topk=16", topk=16)
+    run("contiguous_history", history=contiguous)
+    for per_sm in (1, 4):
+        run(f"programs={per_sm}xSM", programs=per_sm * sms)
     for stages in (2, 4):
-        out[f"num_stages={stages}"] = bench(
-            lambda: indexer_topk.indexer_topk(q, w, k, table, row_req, row_len, TOPK, num_stages=stages), decode)
-    out["contiguous_history"] = bench(
-        lambda: indexer_topk.indexer_topk(q, w, k, contiguous, row_req, row_len, TOPK), decode)
-    out["topk=16"] = bench(lambda: indexer_topk.indexer_topk(q, w, k, table, row_req, row_len, 16), decode)
+        run(f"num_stages={stages}", num_stages=stages)
+    for block_s in (32, 128):
+        run(f"block_s={block_s}", block_s=block_s)
     return out
 
 
@@ -249,10 +257,10 @@ def main() -> None:
                 row_req = torch.zeros(rows, device="cuda", dtype=torch.int32)
                 row_len = torch.arange(1, length + 1, device="cuda", dtype=torch.int32)
                 block_ms = (1, 2)  # indexer_topk caps block_m at 4096 // KP = 2
+            if args.ablate:  # first: the ablations are what such a run is for
+                case["indexer_ablation_ms"] = ablate_indexer(rows, reqs, length, row_len, row_req, g, kind == "decode")
             case["indexer"], table, selected = bench_indexer(rows, reqs, length, row_len, row_req, g, bw, tflops,
                                                              block_ms, kind == "decode")
-            if args.ablate:
-                case["indexer_ablation_ms"] = ablate_indexer(rows, reqs, length, row_len, row_req, g, kind == "decode")
             if not args.indexer_only:
                 case["sparse_mla"] = bench_sparse_mla(rows, reqs, length, table, row_req, selected, g, bw, tflops,
                                                       kind == "decode")

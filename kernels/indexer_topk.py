@@ -195,10 +195,11 @@ def _row_blocks(row_req: torch.Tensor, block_m: int) -> tuple[torch.Tensor, torc
 
 
 def _split_len(history: int, kp: int, programs: int, target: int) -> int:
-    """Positions per split: enough splits to give about `target` programs, each a whole
-    number of KP-position rounds. From the table width, not the lengths, so it is the
-    same in every replay of a CUDA graph."""
-    splits = min(triton.cdiv(history, kp), max(1, triton.cdiv(target, programs)))
+    """Positions per split: as many splits as keep the programs within `target` (one wave:
+    a second, partial wave costs as much as the first), each a whole number of KP
+    positions. From the table width, not the lengths, so it is the same in every replay
+    of a CUDA graph."""
+    splits = min(triton.cdiv(history, kp), max(1, target // programs))
     return triton.cdiv(triton.cdiv(history, splits), kp) * kp
 
 
