@@ -132,8 +132,10 @@ def _model_worker(rank, world, port, checkpoint):
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         golden = load(checkpoint)
-        prompt = [(7 * i + 3) % 500 + 3 for i in range(53)]
-        for prefix in (0, 11):  # a whole prompt; a prompt after a cached 11-token prefix
+        # A whole prompt; the same after a cached 11-token prefix; a prompt shorter than the
+        # 2W chunks (some ranks hold no rows of it).
+        for length, prefix in ((53, 0), (53, 11), (3, 0)):
+            prompt = [(7 * i + 3) % 500 + 3 for i in range(length)]
             ref_cache, cp_cache = golden.new_cache(), golden.new_cache()
             if prefix:
                 golden.forward(prompt[:prefix], ref_cache)

@@ -180,7 +180,7 @@ def moe_route(
     T, E = logits.shape
     scores = logits.sigmoid()
     biased = scores + bias
-    group_scores = biased.view(T, num_groups, -1).topk(min(2, E // num_groups), dim=-1).values.sum(-1)
+    group_scores = biased.view(T, num_groups, E // num_groups).topk(min(2, E // num_groups), dim=-1).values.sum(-1)
     keep = torch.zeros_like(group_scores, dtype=torch.bool)
     keep.scatter_(1, group_scores.topk(topk_groups, dim=-1).indices, True)
     keep = keep.repeat_interleave(E // num_groups, dim=1)
