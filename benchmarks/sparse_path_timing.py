@@ -149,8 +149,9 @@ def ablate_indexer(rows, reqs, length, row_len, row_req, g, decode):
     """Where the fused indexer's time goes, one factor at a time against the default:
     the tile size (positions per step), the software-pipelining depth of the tile loads,
     how many programs share the GPU (the default targets 2 per SM, what fits side by
-    side), a contiguous history (no page-table indirection), and Top-K 16 (the same
-    scoring loop, almost no sort work). Each time is printed as it comes, so a cut run
+    side), a contiguous history (no page-table indirection), and Top-K 16 (meant as the
+    same loop with almost no sort work, but KP 16 also caps the tile at 16 positions, so
+    it mixes in the tile size: run 17). Each time is printed as it comes, so a cut run
     keeps what it measured."""
     out = {}
     k, table = paged_history(reqs, length, D, g)
