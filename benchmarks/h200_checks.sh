@@ -48,7 +48,7 @@ part() {
     timing-decode) timing timing-decode 400 --kind decode ;;
     timing-prefill) timing timing-prefill 400 --kind prefill ;;
     # Where the indexer's time goes (tile size, pipelining depth, paging, sort work) at the largest decode shape.
-    timing-ablate) timing timing-ablate 260 --indexer-only --ablate --case decode:64x131072 ;;
+    timing-ablate) timing timing-ablate 330 --indexer-only --ablate --case decode:64x131072 --case decode:8x131072 ;;
     # The indexer alone where it is slowest, and prefill's first shape.
     timing-key) timing timing-key 280 --indexer-only --case decode:32x131072 --case decode:64x131072 \
                   --case decode:64x32768 --case decode:8x131072 --case prefill:8192 ;;

@@ -146,33 +146,31 @@ def bench_indexer(rows, reqs, length, row_len, row_req, g, bw, tflops, block_ms,
 
 
 def ablate_indexer(rows, reqs, length, row_len, row_req, g, decode):
-    """Where the fused indexer's time goes, one factor at a time against the default:
-    the tile size (positions per step), the software-pipelining depth of the tile loads,
-    how many programs share the GPU (the default targets 2 per SM, what fits side by
-    side), a contiguous history (no page-table indirection), and Top-K 16 (meant as the
-    same loop with almost no sort work, but KP 16 also caps the tile at 16 positions, so
-    it mixes in the tile size: run 17). Each time is printed as it comes, so a cut run
-    keeps what it measured."""
+    """Where the fused indexer's time goes, one factor at a time against the default: the
+    tile loads prefetched by hand one tile ahead (default) or left to Triton's software
+    pipeliner (which waits for each tile right after issuing it: its loads' addresses come
+    from the page table, a load), the tile size (positions per step) and warps, and how
+    many programs share the GPU (the default targets 2 per SM, what fits side by side).
+    Each time is printed as it comes, so a cut run keeps what it measured."""
     out = {}
     k, table = paged_history(reqs, length, D, g)
     q = torch.randn(rows, HI, D, device="cuda", generator=g, dtype=torch.bfloat16)
     w = torch.randn(rows, HI, device="cuda", generator=g)
-    contiguous = torch.arange(reqs * length, device="cuda", dtype=torch.int32).view(reqs, length)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
 
-    def run(key, topk=TOPK, history=table, **opts):
-        out[key] = bench(lambda: indexer_topk.indexer_topk(q, w, k, history, row_req, row_len, topk, **opts), decode)
+    def run(key, topk=TOPK, **opts):
+        out[key] = bench(lambda: indexer_topk.indexer_topk(q, w, k, table, row_req, row_len, topk, **opts), decode)
         print(json.dumps({"ablation": key, "ms": out[key]}), flush=True)
 
     run("default")
-    run("topk=16", topk=16)
-    run("contiguous_history", history=contiguous)
-    for per_sm in (1, 4):
-        run(f"programs={per_sm}xSM", programs=per_sm * sms)
-    for stages in (2, 4):
-        run(f"num_stages={stages}", num_stages=stages)
+    run("pipeliner,num_stages=3", prefetch=False, num_stages=3)
+    run("pipeliner,num_stages=3,block_s=128", prefetch=False, num_stages=3, block_s=128)
     for block_s in (32, 128):
         run(f"block_s={block_s}", block_s=block_s)
+    run("block_s=128,num_warps=8", block_s=128, num_warps=8)
+    run("num_warps=8", num_warps=8)
+    for per_sm in (1, 4):
+        run(f"programs={per_sm}xSM", programs=per_sm * sms)
     return out
 
 
