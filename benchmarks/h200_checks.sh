@@ -38,7 +38,7 @@ part() {
     tiny) part tiny-e2e; part tiny-bf16 ;;
     small) part small-e2e; part small-bf16 ;;
     tiny-kernels) run tiny-kernels 280 tests/test_indexer_topk.py tests/test_sparse_mla_kernel.py tests/test_mxfp8.py tests/test_fp8_kv.py tests/test_gpu.py -k "not bf16_statistically and not bench_preset" ;;
-    indexer-kernels) run indexer-kernels 150 tests/test_indexer_topk.py ;;
+    indexer-kernels) run indexer-kernels 200 tests/test_indexer_topk.py ;;
     tiny-e2e) run tiny-e2e 300 tests/test_engine.py tests/test_server.py --preset tiny ;;
     tiny-bf16) run tiny-bf16 260 tests/test_gpu.py::test_bf16_statistically_tracks_golden --preset tiny ;;
     small-e2e) run small-e2e 300 tests/test_engine.py tests/test_server.py --preset small ;;
@@ -48,7 +48,7 @@ part() {
     timing-decode) timing timing-decode 400 --kind decode ;;
     timing-prefill) timing timing-prefill 400 --kind prefill ;;
     # Where the indexer's time goes (tile size, pipelining depth, paging, sort work) at the largest decode shape.
-    timing-ablate) timing timing-ablate 330 --indexer-only --ablate --case decode:64x131072 --case decode:8x131072 ;;
+    timing-ablate) timing timing-ablate 420 --indexer-only --ablate --case decode:64x131072 --case decode:8x131072 --case prefill:8192 ;;
     # The indexer alone where it is slowest, and prefill's first shape.
     timing-key) timing timing-key 280 --indexer-only --case decode:32x131072 --case decode:64x131072 \
                   --case decode:64x32768 --case decode:8x131072 --case prefill:8192 ;;

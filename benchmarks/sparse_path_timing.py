@@ -30,6 +30,7 @@ import json
 import traceback
 
 import torch
+import triton
 from triton.testing import do_bench, do_bench_cudagraph
 
 from sglang_hybrid.kernels import flashmla_sparse, fp8_kv, indexer_topk, mxfp8, sparse_mla
@@ -146,31 +147,41 @@ def bench_indexer(rows, reqs, length, row_len, row_req, g, bw, tflops, block_ms,
 
 
 def ablate_indexer(rows, reqs, length, row_len, row_req, g, decode):
-    """Where the fused indexer's time goes, one factor at a time against the default: the
-    tile loads prefetched by hand one tile ahead (default) or left to Triton's software
-    pipeliner (which waits for each tile right after issuing it: its loads' addresses come
-    from the page table, a load), the tile size (positions per step) and warps, and how
-    many programs share the GPU (the default targets 2 per SM, what fits side by side).
-    Each time is printed as it comes, so a cut run keeps what it measured."""
+    """Where the fused indexer's time goes: one factor at a time against the default (the
+    tile size, the software-pipelining depth of the tile loads, how many programs share
+    the GPU: the default targets 2 per SM, what fits side by side), then, for decode, the
+    kernel's pieces timed apart (indexer_breakdown: the scoring loop alone, one merge, and
+    how many merges a program does on this data). Run 18 measured loading the next tile
+    by hand into registers: no faster than Triton's pipeliner, so the kernel lost it. Each
+    time is printed as it comes, so a cut run keeps what it measured."""
+    from indexer_breakdown import merge_us, merges_per_program, scoring_ms
+
     out = {}
     k, table = paged_history(reqs, length, D, g)
     q = torch.randn(rows, HI, D, device="cuda", generator=g, dtype=torch.bfloat16)
     w = torch.randn(rows, HI, device="cuda", generator=g)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
 
-    def run(key, topk=TOPK, **opts):
-        out[key] = bench(lambda: indexer_topk.indexer_topk(q, w, k, table, row_req, row_len, topk, **opts), decode)
-        print(json.dumps({"ablation": key, "ms": out[key]}), flush=True)
+    def record(key, value):
+        out[key] = value
+        print(json.dumps({"ablation": key, "value": value}), flush=True)
+
+    def run(key, **opts):
+        record(key, bench(lambda: indexer_topk.indexer_topk(q, w, k, table, row_req, row_len, TOPK, **opts), decode))
 
     run("default")
-    run("pipeliner,num_stages=3", prefetch=False, num_stages=3)
-    run("pipeliner,num_stages=3,block_s=128", prefetch=False, num_stages=3, block_s=128)
-    for block_s in (32, 128):
-        run(f"block_s={block_s}", block_s=block_s)
-    run("block_s=128,num_warps=8", block_s=128, num_warps=8)
-    run("num_warps=8", num_warps=8)
+    run("block_s=64", block_s=64)
+    for stages in (2, 4):
+        run(f"num_stages={stages}", num_stages=stages)
     for per_sm in (1, 4):
         run(f"programs={per_sm}xSM", programs=per_sm * sms)
+    if decode:
+        record("scoring_loop_only_ms", scoring_ms(q, w, k, table, row_len, TOPK))
+        record("one_merge_us", merge_us(TOPK))
+        scores = (k[table[0, :length].long()].float() @ q[0].float().T).relu() @ w[0]  # row 0, fp32
+        split_len = indexer_topk._split_len(table.shape[1], triton.next_power_of_2(TOPK), rows, 2 * sms)
+        record("merges_per_program[first,last split]", merges_per_program(scores, TOPK, split_len))
+        record("tiles_per_program", triton.cdiv(split_len, 128))
     return out
 
 

@@ -1,0 +1,126 @@
+"""Where the fused indexer's time goes, in its own pieces, measured apart (GPU only).
+
+indexer_topk's program is a loop over tiles of positions (load the tile's page-table
+entries and index-K rows, one dot with the row's heads, relu, head-weighted sum, key
+encoding, compare with the running bar) plus, now and then, a merge (sort the candidate
+buffer with the running Top-KP). This module times each piece with the kernel's own
+device functions, so the sum can be held against the whole:
+
+- scoring_ms: the same tile loop, grid and split as indexer_topk's, keeping only a
+  running maximum key per lane (no candidate buffer, no merge): the floor of the
+  scoring structure as written;
+- merge_us: one `_merge_candidates` call (a full candidate buffer sorted with the
+  running Top-KP), repeated inside one program, with as many programs as the GPU runs
+  at once;
+- merges: how many merges the kernel does per program on the case's data, counted by
+  replaying its buffer rule in PyTorch over one row's exact scores (split 0 and the
+  last split).
+
+Used by sparse_path_timing.py --ablate.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from triton.testing import do_bench_cudagraph
+
+from sglang_hybrid.kernels import indexer_topk
+from sglang_hybrid.kernels.indexer_topk import _merge_candidates, _tile_keys
+
+NONE = -(1 << 63)
+
+
+@triton.jit
+def _scoring_kernel(q_ptr, w_ptr, k_ptr, table_ptr, row_len_ptr, out_ptr, stride_qr, stride_qh, stride_wr, stride_k,
+                    stride_table, H, SPLIT_LEN, D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr,
+                    DOT_DTYPE: tl.constexpr):
+    """indexer_topk's tile loop for one decode row (its own request) and one split, keeping
+    the elementwise maximum key of each lane instead of a Top-K."""
+    NONE: tl.constexpr = -9223372036854775807 - 1
+    row = tl.program_id(0)
+    rows = row + tl.arange(0, 1)
+    n = tl.load(row_len_ptr + rows).to(tl.int64)
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, D)
+    q = tl.load(q_ptr + row * stride_qr + offs_h[:, None] * stride_qh + offs_d[None, :], mask=offs_h[:, None] < H,
+                other=0.0)
+    w = tl.load(w_ptr + row * stride_wr + offs_h[None, :], mask=offs_h[None, :] < H, other=0.0).to(tl.float32)
+    lo = tl.program_id(1).to(tl.int64) * SPLIT_LEN
+    n_max = tl.minimum(tl.max(n, axis=0), lo + SPLIT_LEN)
+    best = tl.full([1, BLOCK_S], NONE, tl.int64)
+    for s0 in range(lo, n_max, BLOCK_S):
+        key = _tile_keys(s0, n, n_max, row.to(tl.int64), q, w, table_ptr, k_ptr, k_ptr, stride_table, stride_k, 0,
+                         offs_d, NONE, D, 1, BLOCK_H, BLOCK_S, 0, DOT_DTYPE)
+        best = tl.maximum(best, key)
+    tl.store(out_ptr + (row * tl.num_programs(1) + tl.program_id(1)) * BLOCK_S + tl.arange(0, BLOCK_S)[None, :], best)
+
+
+@triton.jit
+def _merge_kernel(keys_ptr, cand_ptr, out_ptr, REPS, KP: tl.constexpr):
+    """REPS merges of a full candidate buffer into the running Top-KP, each on the last's result."""
+    NONE: tl.constexpr = -9223372036854775807 - 1
+    offs_k = tl.arange(0, KP)
+    prog = tl.program_id(0).to(tl.int64)
+    best = tl.load(keys_ptr + prog * KP + offs_k)[None, :]
+    cand = cand_ptr + prog * KP + tl.zeros([1, 1], tl.int64)
+    count = tl.full([1], KP, tl.int32)
+    for _ in range(REPS):
+        best, bar, waiting = _merge_candidates(best, cand, count, offs_k, NONE, 1, KP, True)
+        count = KP + waiting
+    tl.store(out_ptr + prog * KP + offs_k[None, :], best)
+
+
+def scoring_ms(q, w, k, table, row_len, topk: int, block_s: int = 128, num_warps: int = 4, num_stages: int = 3) -> float:
+    """The tile loop alone, at indexer_topk's grid for these decode rows (one per request)."""
+    R, H, Dh = q.shape
+    kp = triton.next_power_of_2(topk)
+    sms = torch.cuda.get_device_properties(q.device).multi_processor_count
+    split_len = indexer_topk._split_len(table.shape[1], kp, R, 2 * sms)
+    splits = triton.cdiv(table.shape[1], split_len)
+    out = torch.empty(R, splits, block_s, dtype=torch.int64, device=q.device)
+    w = w.float()
+
+    def run():
+        _scoring_kernel[(R, splits)](q, w, k, table, row_len, out, q.stride(0), q.stride(1), w.stride(0), k.stride(0),
+                                     table.stride(0), H, split_len, D=Dh, BLOCK_H=triton.next_power_of_2(H),
+                                     BLOCK_S=block_s, DOT_DTYPE=tl.bfloat16, num_warps=num_warps,
+                                     num_stages=num_stages)
+    return do_bench_cudagraph(run, return_mode="median")
+
+
+def merge_us(topk: int, num_warps: int = 4, reps: int = 64) -> float:
+    """Microseconds per merge, with two programs per SM merging at once."""
+    kp = triton.next_power_of_2(topk)
+    programs = 2 * torch.cuda.get_device_properties(0).multi_processor_count
+    keys = torch.randint(-(1 << 62), 1 << 62, (programs, kp), device="cuda").sort(dim=1, descending=True).values
+    cand = torch.randint(-(1 << 62), 1 << 62, (programs, kp), device="cuda")
+    out = torch.empty_like(keys)
+
+    def run():
+        _merge_kernel[(programs,)](keys, cand, out, reps, KP=kp, num_warps=num_warps)
+    return do_bench_cudagraph(run, return_mode="median") * 1e3 / reps
+
+
+def merges_per_program(scores: torch.Tensor, topk: int, split_len: int, block_s: int = 128) -> list[int]:
+    """indexer_topk's merge count over one row's scores [history] for split 0 and the last
+    split: a tile's keys that beat the running KP-th best join the buffer; a merge when the
+    buffer holds more than KP - block_s. Ties are ignored (random fp32 scores)."""
+    kp = triton.next_power_of_2(topk)
+    counts = []
+    for lo in sorted({0, (scores.numel() - 1) // split_len * split_len}):
+        part = scores[lo:lo + split_len]
+        best = torch.empty(0, device=scores.device)
+        bar, waiting, merges, pending = float("-inf"), 0, 0, []
+        for s0 in range(0, part.numel(), block_s):
+            tile = part[s0:s0 + block_s]
+            new = tile[tile > bar]
+            pending.append(new)
+            waiting += new.numel()
+            if waiting > kp - block_s:
+                best = torch.cat([best, *pending]).topk(min(kp, len(best) + waiting)).values
+                bar = float(best[-1]) if len(best) >= kp else float("-inf")
+                pending, waiting, merges = [], 0, merges + 1
+        counts.append(merges + (1 if waiting else 0))
+    return counts
