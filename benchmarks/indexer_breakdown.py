@@ -2,14 +2,14 @@
 
 indexer_topk's program is a loop over tiles of positions (load the tile's page-table
 entries and index-K rows, one dot with the row's heads, relu, head-weighted sum, key
-encoding, compare with the running bar) plus, now and then, a merge (sort the candidate
-buffer with the running Top-KP). This module times each piece with the kernel's own
+encoding, compare with the running bar) plus, now and then, a merge of the candidate
+buffer into the running Top-KP. This module times each piece with the kernel's own
 device functions, so the sum can be held against the whole:
 
 - scoring_ms: the same tile loop, grid and split as indexer_topk's, keeping only a
   running maximum key per lane (no candidate buffer, no merge): the floor of the
   scoring structure as written;
-- merge_us: one `_merge_candidates` call (a full candidate buffer sorted with the
+- merge_us: one `_merge_candidates` call (a full candidate buffer merged into a full
   running Top-KP), repeated inside one program, with as many programs as the GPU runs
   at once;
 - merges: how many merges the kernel does per program on the case's data, counted by
@@ -58,18 +58,15 @@ def _scoring_kernel(q_ptr, w_ptr, k_ptr, table_ptr, row_len_ptr, out_ptr, stride
 
 
 @triton.jit
-def _merge_kernel(keys_ptr, cand_ptr, out_ptr, REPS, KP: tl.constexpr):
-    """REPS merges of a full candidate buffer into the running Top-KP, each on the last's result."""
+def _merge_kernel(buf_ptr, REPS, KP: tl.constexpr):
+    """REPS merges of a full candidate buffer into a full running Top-KP, in place."""
     NONE: tl.constexpr = -9223372036854775807 - 1
-    offs_k = tl.arange(0, KP)
-    prog = tl.program_id(0).to(tl.int64)
-    best = tl.load(keys_ptr + prog * KP + offs_k)[None, :]
-    cand = cand_ptr + prog * KP + tl.zeros([1, 1], tl.int64)
-    count = tl.full([1], KP, tl.int32)
+    buf = buf_ptr + tl.program_id(0).to(tl.int64) * 2 * KP + tl.zeros([1, 1], tl.int64)
+    held = tl.full([1], KP, tl.int32)
     for _ in range(REPS):
-        best, bar, waiting = _merge_candidates(best, cand, count, offs_k, NONE, 1, KP, True)
-        count = KP + waiting
-    tl.store(out_ptr + prog * KP + offs_k[None, :], best)
+        # The candidates region keeps its keys, so every merge takes a full buffer again.
+        held, bar, _ = _merge_candidates(buf, buf, held, tl.full([1], KP, tl.int32), tl.arange(0, 2 * KP), NONE,
+                                         KP, True)
 
 
 def scoring_ms(q, w, k, table, row_len, topk: int, block_s: int = 128, num_warps: int = 4, num_stages: int = 3) -> float:
@@ -94,12 +91,10 @@ def merge_us(topk: int, num_warps: int = 4, reps: int = 64) -> float:
     """Microseconds per merge, with two programs per SM merging at once."""
     kp = triton.next_power_of_2(topk)
     programs = 2 * torch.cuda.get_device_properties(0).multi_processor_count
-    keys = torch.randint(-(1 << 62), 1 << 62, (programs, kp), device="cuda").sort(dim=1, descending=True).values
-    cand = torch.randint(-(1 << 62), 1 << 62, (programs, kp), device="cuda")
-    out = torch.empty_like(keys)
+    buf = torch.randint(-(1 << 62), 1 << 62, (programs, 2 * kp), device="cuda")
 
     def run():
-        _merge_kernel[(programs,)](keys, cand, out, reps, KP=kp, num_warps=num_warps)
+        _merge_kernel[(programs,)](buf, reps, KP=kp, num_warps=num_warps)
     return do_bench_cudagraph(run, return_mode="median") * 1e3 / reps
 
 

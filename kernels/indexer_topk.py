@@ -1,4 +1,4 @@
-"""Fused lightning-indexer Top-K: scores never leave the chip.
+"""Fused lightning-indexer Top-K: no score matrix, one kernel and one ordering topk.
 
 For every query row r (a decode token, a speculative-verify token, or a prefill
 token) the kernel scores each position s < row_len[r] of its request,
@@ -6,30 +6,33 @@ token) the kernel scores each position s < row_len[r] of its request,
     score[r, s] = sum_h w[r, h] * relu(q[r, h] . k[s]),
 
 reading the index-K cache through req_to_token (any page size: the table maps
-each position to its slot), and keeps a running Top-K on chip. Only the Top-K
-positions (and, optionally, their scores) are written; no [rows x history] score
-matrix exists anywhere.
+each position to its slot), and keeps a running Top-K per program. Only the Top-K
+keys are written (KP per row and split); no [rows x history] score matrix exists
+anywhere.
 
 Order and ties follow reference.ops.topk_positions: higher score first, equal
 scores keep the lower position first; -1 (score -inf) pads a row whose history is
 shorter than K. This is exact because every (score, position) pair is packed into
 one int64 key whose signed order is (score, -position): the score's float bits
 mapped to an order-preserving int32 in the high word, 2^31 - 1 - position in the
-low word. Merging is a sort of those keys, so the selection is deterministic.
+low word. Keys are unique, so the selection is deterministic.
 
-The running Top-K is a sorted buffer of KP = next_pow2(K) keys. A scored tile keeps
-only the keys that beat its worst key (a key below it can never enter: the buffer only
-improves); they are appended to the program's candidate buffer (KP keys in global
-memory, L2-resident: a bound per program, never per position), and when that buffer
-might not take the next tile it is sorted with the running Top-KP and the better half
-kept. Over n positions in random order about KP (1 + ln(n / KP)) keys ever beat the
-bar, so a program sorts a few times instead of once every KP positions; a history that
-only rises degrades to a sort every KP positions, never to a wrong answer. (Run 14
-tried merging candidates 256 at a time from registers: no faster, since every tile
-still paid for a select over the whole pending block.) A program serves up to block_m
-consecutive rows of one request (the rows of a prefill chunk or of a verify step):
-each K tile is loaded once for all of them, one dot gives every row's logits, and
-the rows keep their running Top-Ks side by side.
+Each program keeps, per row, a running Top-KP (KP = next_pow2(K)) and a candidate
+buffer of KP keys, both in global memory (2 KP keys per row, L2-resident: a bound per
+program, never per position). A scored tile keeps only the keys that beat the running
+KP-th best (the bar: a key below it can never enter, the set only improves) and appends
+them to the buffer; when the buffer might not take the next tile, the running set and
+the candidates are merged: the KP-th largest of them is found bit by bit (64 counts,
+no sort) and the keys that reach it kept, unordered. Over n positions in random order
+about KP (1 + ln(n / KP)) keys ever beat the bar, so a program merges a few times; a
+history that only rises merges every KP positions, never gives a wrong answer. The
+kernel writes each program's KP keys unordered; one torch.topk over them (and over the
+splits of a row, when the history is split across programs) gives the K positions in
+order. (Run 19: Triton's sort of 4096 keys took 113 us per merge, three quarters of
+the kernel's time at 64 x 128K; the scoring loop alone ran at 93% of copy bandwidth.)
+A program serves up to block_m consecutive rows of one request (the rows of a prefill
+chunk or of a verify step): each K tile is loaded once for all of them, one dot gives
+every row's logits, and the rows keep their running Top-Ks side by side.
 
 MXFP8 (q and the index-K cache as e4m3 with e8m0 scales per group, kernels.mxfp8):
 both are dequantized on load; e4m3 x 2^e is exact in bf16, so the dot and the
@@ -97,31 +100,51 @@ def _after_barrier(x, GPU: tl.constexpr):
 
 
 @triton.jit
-def _merge_candidates(best, cand, count, offs_k, NONE: tl.constexpr, BLOCK_M: tl.constexpr, KP: tl.constexpr,
-                      GPU: tl.constexpr):
-    """Sort the candidate buffer with the running Top-KP, keep the better half: (best, its worst key, 0)."""
+def _kth_largest(keys, KP: tl.constexpr):
+    """Per row of keys [BLOCK_M, N] (NONE, the int64 minimum, where there is none), the
+    KP-th largest, or NONE when fewer than KP are real. Built bit by bit from the sign
+    down: a threshold is kept when at least KP keys reach it (64 counts, no sort: Triton's
+    sort of 4096 keys took 113 us on the H200, run 19, most of the kernel's time). A
+    real key is never NONE (its low word is at least 1), and every threshold tried is
+    above NONE."""
+    reach = tl.sum((keys >= 0).to(tl.int32), axis=1)
+    t = tl.where(reach >= KP, 0, -9223372036854775807 - 1).to(tl.int64)  # [BLOCK_M]
+    for b in range(62, -1, -1):
+        c = t | (tl.full([1], 1, tl.int64) << b)
+        reach = tl.sum((keys >= c[:, None]).to(tl.int32), axis=1)
+        t = tl.where(reach >= KP, c, t)
+    return t
+
+
+@triton.jit
+def _merge_candidates(buf, dst, held, count, offs_2k, NONE: tl.constexpr, KP: tl.constexpr, GPU: tl.constexpr):
+    """Keep the best KP of the running Top-KP (buf[:held]) and the candidates (buf[KP:KP +
+    count]), unordered, in dst[:KP] (NONE past them): (how many were kept, the new bar, 0)."""
     waiting = tl.max(_after_barrier(tl.max(count, axis=0) + tl.zeros([1], tl.int32), GPU), axis=0)
-    take = (offs_k[None, :] < count[:, None]) & (waiting > 0)  # all the block's stores are in
-    pending = tl.load(cand + offs_k[None, :], mask=take, other=NONE, cache_modifier=".cg")
-    both = tl.reshape(tl.join(best, pending), [BLOCK_M, 2 * KP])
-    halves = tl.reshape(tl.sort(both, dim=1, descending=True), [BLOCK_M, 2, KP])
-    best = tl.sum(tl.where(tl.arange(0, 2)[None, :, None] == 0, halves, 0), axis=1)
-    bar = tl.min(best, axis=1)
-    # Every thread has read its candidates before the next tile's stores (which depend on the
-    # returned count) overwrite them.
-    read = tl.max(_after_barrier((tl.max(bar, axis=0) > NONE).to(tl.int32) + tl.zeros([1], tl.int32), GPU), axis=0)
-    return best, bar, tl.zeros([BLOCK_M], tl.int32) + tl.minimum(read, 0)
+    valid = tl.where(offs_2k[None, :] < KP, offs_2k[None, :] < held[:, None], offs_2k[None, :] - KP < count[:, None])
+    keys = tl.load(buf + offs_2k[None, :], mask=valid & (waiting >= 0), other=NONE,  # after the block's stores
+                   cache_modifier=".cg")
+    bar = _kth_largest(keys, KP)
+    keep = (keys > NONE) & (keys >= bar[:, None])
+    at = tl.cumsum(keep.to(tl.int32), axis=1) - 1
+    kept = tl.sum(keep.to(tl.int32), axis=1)
+    # Every thread has read the buffer before it is overwritten: the kept keys now, the
+    # next tile's candidates (their positions depend on the returned count) later.
+    read = tl.max(_after_barrier(tl.max(kept, axis=0) + tl.zeros([1], tl.int32), GPU), axis=0)
+    tl.store(dst + at, keys, mask=keep & (read >= 0))
+    offs_k = tl.arange(0, KP)
+    tl.store(dst + offs_k[None, :], tl.full([1, KP], NONE, tl.int64), mask=offs_k[None, :] >= kept[:, None])
+    return kept, bar, tl.zeros_like(count)
 
 
 @triton.jit
 def _indexer_topk_kernel(
     q_ptr, w_ptr, k_ptr, table_ptr, row_req_ptr, row_len_ptr, block_start_ptr, block_end_ptr,
-    idx_ptr, score_ptr, qs_ptr, ks_ptr, part_ptr, cand_ptr,
-    stride_qr, stride_qh, stride_wr, stride_k, stride_table, stride_out, stride_qsr, stride_qsh, stride_ks,
-    H, TOPK, SPLIT_LEN,
+    qs_ptr, ks_ptr, part_ptr, cand_ptr,
+    stride_qr, stride_qh, stride_wr, stride_k, stride_table, stride_qsr, stride_qsh, stride_ks,
+    H, SPLIT_LEN,
     D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr, KP: tl.constexpr,
-    WRITE_SCORES: tl.constexpr, GROUP: tl.constexpr, DOT_DTYPE: tl.constexpr, SPLIT: tl.constexpr,
-    GPU: tl.constexpr,
+    GROUP: tl.constexpr, DOT_DTYPE: tl.constexpr, GPU: tl.constexpr,
 ):
     # One program: up to BLOCK_M consecutive rows of one request, sharing every K tile, over
     # positions [SPLIT_LEN * split, SPLIT_LEN * (split + 1)) of their history.
@@ -144,12 +167,14 @@ def _indexer_topk_kernel(
                 other=0.0).to(tl.float32)  # [BLOCK_M, BLOCK_H]
 
     NONE: tl.constexpr = -9223372036854775807 - 1
-    offs_k = tl.arange(0, KP)
-    best = tl.full([BLOCK_M, KP], NONE, tl.int64)  # the block's running Top-KP keys, sorted
-    bar = tl.full([BLOCK_M], NONE, tl.int64)  # the worst of them: a key must beat it to matter
-    count = tl.zeros([BLOCK_M], tl.int32)  # keys waiting in the program's candidate buffer
-    cand = cand_ptr + ((tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)) * BLOCK_M
-                       + tl.arange(0, BLOCK_M).to(tl.int64))[:, None] * KP  # [BLOCK_M, 1]
+    offs_2k = tl.arange(0, 2 * KP)
+    # Per row, 2 KP keys of global memory (L2-resident; a bound per program, never per
+    # position): the running Top-KP, unordered, then the candidates since the last merge.
+    buf = cand_ptr + ((tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)) * BLOCK_M
+                      + tl.arange(0, BLOCK_M).to(tl.int64))[:, None] * (2 * KP)  # [BLOCK_M, 1]
+    bar = tl.full([BLOCK_M], NONE, tl.int64)  # the running KP-th best: a key must beat it to matter
+    held = tl.zeros([BLOCK_M], tl.int32)  # keys in the running Top-KP
+    count = tl.zeros([BLOCK_M], tl.int32)  # candidates waiting
     lo = tl.program_id(1).to(tl.int64) * SPLIT_LEN
     n_max = tl.minimum(tl.max(n, axis=0), lo + SPLIT_LEN)  # the block's longest history, in this split
     for s0 in range(lo, n_max, BLOCK_S):  # score a tile; keep only the keys that beat the running KP-th best
@@ -158,27 +183,14 @@ def _indexer_topk_kernel(
         beats = key > bar[:, None]
         if tl.max(tl.max(beats.to(tl.int32), axis=1), axis=0) > 0:  # late in a history, most tiles add nothing
             at = count[:, None] + tl.cumsum(beats.to(tl.int32), axis=1) - 1
-            tl.store(cand + at, key, mask=beats)
+            tl.store(buf + KP + at, key, mask=beats)
             count += tl.sum(beats.to(tl.int32), axis=1)
             if tl.max(count, axis=0) > KP - BLOCK_S:  # the buffer might not take the next tile
-                best, bar, count = _merge_candidates(best, cand, count, offs_k, NONE, BLOCK_M, KP, GPU)
-    if tl.max(count, axis=0) > 0:
-        best, bar, count = _merge_candidates(best, cand, count, offs_k, NONE, BLOCK_M, KP, GPU)
-
-    if SPLIT:  # the split's Top-K keys, merged across splits by _merge_splits
-        part = (rows[:, None] * tl.num_programs(1) + tl.program_id(1)) * KP + offs_k[None, :]
-        tl.store(part_ptr + part, best, mask=live[:, None])
-        return
-    found = best != NONE
-    pos = tl.where(found, 0x7FFFFFFF - (best & 0xFFFFFFFF), -1)
-    out_mask = live[:, None] & (offs_k[None, :] < TOPK)
-    out = rows[:, None] * stride_out + offs_k[None, :]
-    tl.store(idx_ptr + out, pos.to(tl.int32), mask=out_mask)
-    if WRITE_SCORES:
-        ordered = (best >> 32).to(tl.int32)
-        bits = tl.where(ordered >= 0, ordered, ordered ^ 0x7FFFFFFF)
-        score = tl.where(found, bits.to(tl.float32, bitcast=True), float("-inf"))
-        tl.store(score_ptr + out, score, mask=out_mask)
+                held, bar, count = _merge_candidates(buf, buf, held, count, offs_2k, NONE, KP, GPU)
+    # The split's best KP keys, unordered; _order_keys (torch) ranks them across splits.
+    part = part_ptr + (rows[:, None] * tl.num_programs(1) + tl.program_id(1)) * KP
+    part = tl.where(live[:, None], part, buf + KP)  # a block's rows past its end write into their own buffer
+    _merge_candidates(buf, part, held, count, offs_2k, NONE, KP, GPU)
 
 
 def _row_blocks(row_req: torch.Tensor, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -204,9 +216,10 @@ def _split_len(history: int, kp: int, programs: int, target: int) -> int:
     return triton.cdiv(triton.cdiv(history, splits), kp) * kp
 
 
-def _merge_splits(part: torch.Tensor, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """[R, splits, KP] per-split keys -> the best topk positions and scores. Keys are unique
-    per position, so this is the order the one-split kernel produces (see _encode)."""
+def _order_keys(part: torch.Tensor, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """[R, splits, KP] unordered keys (NONE where there is none) -> the best topk positions
+    and their scores, best first. Keys are unique per position, so the order is the
+    reference's (see _encode)."""
     keys = part.flatten(1).topk(topk, dim=1).values
     found = keys != torch.iinfo(torch.int64).min
     pos = torch.where(found, 0x7FFFFFFF - (keys & 0xFFFFFFFF), -1).to(torch.int32)
@@ -241,14 +254,13 @@ def indexer_topk(
     MXFP8 (kernels.mxfp8): q and index_k hold e4m3 data and q_scale [R, H, D // G],
     k_scale [slots, D // G] their e8m0 scale bytes; the group size G follows from them.
     block_m > 1 lets up to block_m consecutive rows of one request (prefill, verify) share
-    each K tile; decode rows (one per request) want 1. It is capped at 4096 // KP rows: the
-    block's running Top-Ks are sorted through shared memory, and beyond that an sm_90 block
-    would need more than its 227 KiB (tests/compile_for_sm90.py checks the served shapes).
+    each K tile; decode rows (one per request) want 1. It is capped at 4096 // KP rows: a
+    merge holds the block's 2 KP keys per row in registers, and beyond that they spill
+    (tests/compile_for_sm90.py compiles the served shapes).
     programs: about how many programs to run (default: 2 per SM). When there are fewer row
     blocks, the history is split across programs (split-K, as in flash-decoding) and the
-    splits' Top-Ks are merged by one torch.topk over their keys: a few KP-wide rows per
-    query row, never a score per position. num_warps: per program (the running Top-K
-    lives in registers: more warps, fewer spills). num_stages: Triton's software
+    splits' Top-Ks are merged by the torch.topk that orders them anyway: a few KP-wide rows
+    per query row, never a score per position. num_warps: per program. num_stages: Triton's software
     pipelining depth for the tile loads (loading the next tile by hand into registers
     instead measured no faster, run 18). block_s: positions per tile; 128 measured
     fastest on the H200 (run 18), and two such programs still fit on one SM.
@@ -280,7 +292,7 @@ def indexer_topk(
         raise ValueError(f"block_m must be a power of two, got {block_m}")
     block_m = min(block_m, max(1, 4096 // kp))
     idx = torch.empty(R, topk, dtype=torch.int32, device=q.device)
-    scores = torch.empty(R, topk, dtype=torch.float32, device=q.device) if return_scores else idx
+    scores = torch.empty(R, topk, dtype=torch.float32, device=q.device)
     if R:
         weights = weights.float()
         starts, ends = _row_blocks(row_req, block_m)
@@ -290,21 +302,17 @@ def indexer_topk(
         history = max(req_to_token.shape[1], 1)
         split_len = _split_len(history, kp, starts.shape[0], programs)
         splits = triton.cdiv(history, split_len)
-        part = torch.empty(R, splits, kp, dtype=torch.int64, device=q.device) if splits > 1 else idx
-        cand = torch.empty(starts.shape[0] * splits * block_m * kp, dtype=torch.int64, device=q.device)
+        part = torch.empty(R, splits, kp, dtype=torch.int64, device=q.device)
+        cand = torch.empty(starts.shape[0] * splits * block_m * 2 * kp, dtype=torch.int64, device=q.device)
         _indexer_topk_kernel[(starts.shape[0], splits)](
-            q, weights, index_k, req_to_token, row_req, row_len, starts, ends, idx, scores, q_scale, k_scale, part, cand,
-            q.stride(0), q.stride(1), weights.stride(0), index_k.stride(0), req_to_token.stride(0), idx.stride(0),
+            q, weights, index_k, req_to_token, row_req, row_len, starts, ends, q_scale, k_scale, part, cand,
+            q.stride(0), q.stride(1), weights.stride(0), index_k.stride(0), req_to_token.stride(0),
             q_scale.stride(0), q_scale.stride(1), k_scale.stride(0),
-            H, topk, split_len,
-            D=D, BLOCK_M=block_m, BLOCK_H=block_h, BLOCK_S=block_s, KP=kp, WRITE_SCORES=return_scores,
-            GROUP=group, DOT_DTYPE=dot_dtype, SPLIT=splits > 1, GPU=not isinstance(_indexer_topk_kernel, InterpretedFunction), num_warps=num_warps, num_stages=num_stages,
+            H, split_len,
+            D=D, BLOCK_M=block_m, BLOCK_H=block_h, BLOCK_S=block_s, KP=kp, GROUP=group, DOT_DTYPE=dot_dtype,
+            GPU=not isinstance(_indexer_topk_kernel, InterpretedFunction), num_warps=num_warps, num_stages=num_stages,
         )
-        if splits > 1:
-            pos, best = _merge_splits(part, topk)
-            idx.copy_(pos)
-            if return_scores:
-                scores.copy_(best)
+        idx, scores = _order_keys(part, topk)
     return (idx, scores) if return_scores else idx
 
 
