@@ -48,14 +48,14 @@ part() {
     timing-decode) timing timing-decode 400 --kind decode ;;
     timing-prefill) timing timing-prefill 400 --kind prefill ;;
     # Where the indexer's time goes (tile size, pipelining depth, paging, sort work) at the largest decode shape.
-    timing-ablate) timing timing-ablate 220 --indexer-only --ablate --case decode:64x131072 --case decode:8x131072 ;;
+    timing-ablate) timing timing-ablate 180 --indexer-only --ablate --case decode:64x131072 --case decode:8x131072 ;;
     # The indexer alone where it is slowest, and prefill's first shape.
     timing-key) timing timing-key 280 --indexer-only --case decode:32x131072 --case decode:64x131072 \
                   --case decode:64x32768 --case decode:8x131072 --case prefill:8192 ;;
     # Issue 4: the KDA layer's CP costs (summary, fold, local prefill) against its plain prefill; needs
     # fla-core in the bundle (benchmarks/cp_prefill_cost.py says how).
     cp-cost) mkdir -p "$OUT/cp-cost"
-             timeout 330 python3 benchmarks/cp_prefill_cost.py --out "$OUT/cp-cost/cp_prefill_cost.json" \
+             timeout 300 python3 benchmarks/cp_prefill_cost.py --out "$OUT/cp-cost/cp_prefill_cost.json" \
                > "$OUT/cp-cost/log.txt" 2>&1
              echo "cp-cost: rc=$?"; tail -4 "$OUT/cp-cost/log.txt" | cut -c1-400 ;;
     *) echo "usage: bash benchmarks/h200_checks.sh GROUP... (GROUP: PART[,PART...]; parts are named in this file)" >&2
