@@ -132,21 +132,25 @@ def _model_worker(rank, world, port, checkpoint):
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         golden = load(checkpoint)
-        # A whole prompt; the same after a cached 11-token prefix; a prompt shorter than the
-        # 2W chunks (some ranks hold no rows of it).
-        for length, prefix in ((53, 0), (53, 11), (3, 0)):
-            prompt = [(7 * i + 3) % 500 + 3 for i in range(length)]
-            ref_cache, cp_cache = golden.new_cache(), golden.new_cache()
-            if prefix:
-                golden.forward(prompt[:prefix], ref_cache)
-                golden.forward(prompt[:prefix], cp_cache)
-            ref = golden.forward(prompt[prefix:], ref_cache)
-            logits, plan = ZigzagGolden(golden).prefill(prompt[prefix:], cp_cache, rank, world)
-            torch.testing.assert_close(logits, ref[plan.rank_tokens[rank]], rtol=1e-4, atol=1e-4)
-            # Decode continues from the CP prefill's cache exactly as from a single rank's.
-            nxt = int(ref[-1].argmax())
-            torch.testing.assert_close(golden.forward([nxt], cp_cache), golden.forward([nxt], ref_cache),
-                                       rtol=1e-4, atol=1e-4)
+        # Per request (new tokens, cached prefix): one whole prompt; the same after a cached
+        # 11-token prefix; a prompt shorter than the 2W chunks (some ranks hold no rows of
+        # it); a ragged batch with a cached prefix, a one-token and a short request.
+        for case in ([(53, 0)], [(53, 11)], [(3, 0)], [(40, 11), (1, 0), (3, 5), (20, 0)]):
+            prompts = [[(7 * i + 3 + 5 * r) % 500 + 3 for i in range(n + pre)] for r, (n, pre) in enumerate(case)]
+            ref_caches, cp_caches = [golden.new_cache() for _ in case], [golden.new_cache() for _ in case]
+            for p, (n, pre), ref_cache, cp_cache in zip(prompts, case, ref_caches, cp_caches):
+                if pre:
+                    golden.forward(p[:pre], ref_cache)
+                    golden.forward(p[:pre], cp_cache)
+            refs = [golden.forward(p[pre:], c) for p, (n, pre), c in zip(prompts, case, ref_caches)]
+            logits, plan = ZigzagGolden(golden).prefill([p[pre:] for p, (n, pre) in zip(prompts, case)], cp_caches,
+                                                        rank, world)
+            torch.testing.assert_close(logits, torch.cat(refs)[plan.rank_tokens[rank]], rtol=1e-4, atol=1e-4)
+            # Decode continues from each request's CP cache exactly as from a single rank's.
+            for ref, ref_cache, cp_cache in zip(refs, ref_caches, cp_caches):
+                nxt = int(ref[-1].argmax())
+                torch.testing.assert_close(golden.forward([nxt], cp_cache), golden.forward([nxt], ref_cache),
+                                           rtol=1e-4, atol=1e-4)
     finally:
         dist.destroy_process_group()
 

@@ -1,17 +1,22 @@
-"""The golden model's prefill under zigzag context parallelism (one request, W ranks).
+"""The golden model's prefill of a batch under zigzag context parallelism (W ranks).
 
 Every op of the model is per token except three steps, which GoldenModel keeps apart:
-the KDA short conv and recurrence (parallel.kda_cp: summaries all-gathered and folded)
-and the MLA layers' history (latent, rope key and index-K: all-gathered and restored to
-sequence order, parallel.sparse_cp.gather_rows), after which each rank scores, selects
-and attends for its own rows at their absolute positions. Each rank runs the model on
-its zigzag rows; ZigzagPlan.restore puts the logits back in order. The cache ends as a
-single-rank prefill leaves it (full history, final states), so decode continues unchanged.
+the KDA short conv and recurrence (parallel.kda_cp: summaries all-gathered and folded,
+per request), and the MLA layers' history (latent, rope key and index-K: all-gathered
+and restored to batch order, parallel.sparse_cp.gather_rows, then appended to each
+request's cache), after which each rank selects and attends for its own rows of each
+request at their absolute positions. Each rank runs the model on its zigzag rows of
+every request; ZigzagPlan.restore puts the logits back in batch order. Each request's
+cache ends as a single-rank prefill leaves it (full history, final states), so decode
+continues unchanged.
 """
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import torch
+import torch.distributed as dist
 
 from sglang_hybrid.parallel.kda_cp import conv_cp, kda_cp
 from sglang_hybrid.parallel.sparse_cp import gather_rows
@@ -27,26 +32,50 @@ class ZigzagGolden(GoldenModel):
         self.kv_cache_dtype = golden.kv_cache_dtype
         self.group = group
         self.plan: ZigzagPlan | None = None
+        self.lengths: list[int] = []
 
     @torch.no_grad()
-    def prefill(self, input_ids: list[int], cache: SequenceCache, rank: int, world: int) -> tuple[torch.Tensor, ZigzagPlan]:
-        """Logits of this rank's rows (in plan.rank_tokens[rank] order) for the new tokens
-        input_ids, continuing `cache`, which advances as a single-rank prefill's would."""
-        self.plan = zigzag_plan([len(input_ids)], world, [cache.length])
+    def prefill(self, batch: list[list[int]], caches: list[SequenceCache], rank: int,
+                world: int) -> tuple[torch.Tensor, ZigzagPlan]:
+        """Logits of this rank's rows (in plan.rank_tokens[rank] order, indices into the
+        batch's concatenated new tokens) for the new tokens of each request, continuing
+        its cache, which advances as a single-rank prefill's would."""
+        if len(batch) != len(caches):
+            raise ValueError(f"{len(batch)} requests but {len(caches)} caches")
+        self.lengths = [len(ids) for ids in batch]
+        self.plan = zigzag_plan(self.lengths, world, [c.length for c in caches])
+        tokens = [t for ids in batch for t in ids]
         mine = self.plan.rank_tokens[rank]
-        logits = self._forward([input_ids[int(t)] for t in mine], self.plan.rank_positions[rank].to(self.device), cache)
-        cache.length += len(input_ids)
+        layers = [[c.layers[i] for c in caches] for i in range(self.config.num_hidden_layers)]
+        logits = self._forward([tokens[int(t)] for t in mine], self.plan.rank_positions[rank].to(self.device),
+                               SimpleNamespace(layers=layers))
+        for c, n in zip(caches, self.lengths):
+            c.length += n
         return logits, self.plan
 
-    def _conv(self, pre, conv_w, lc):
-        out, windows = conv_cp(pre, lc.conv[None], conv_w, [self.plan.total], self.group)
-        lc.conv = windows[0]
+    # The three cross-token steps, for the batch: `lcs` holds each request's layer cache.
+    def _conv(self, pre, conv_w, lcs):
+        out, windows = conv_cp(pre, torch.stack([lc.conv for lc in lcs]), conv_w, self.lengths, self.group)
+        for lc, window in zip(lcs, windows):
+            lc.conv = window
         return out
 
-    def _recurrence(self, q, k, v, g, beta, lc):
-        o, finals = kda_cp(q, k, v, g, beta, lc.state[None], [self.plan.total], self.group)
-        lc.state = finals[0].to(lc.state.dtype)
+    def _recurrence(self, q, k, v, g, beta, lcs):
+        o, finals = kda_cp(q, k, v, g, beta, torch.stack([lc.state for lc in lcs]), self.lengths, self.group)
+        for lc, final in zip(lcs, finals):
+            lc.state = final.to(lc.state.dtype)
         return o
 
-    def _append_history(self, lc, latent, rope_key, index_key):
-        super()._append_history(lc, *(gather_rows(t, self.plan, self.group) for t in (latent, rope_key, index_key)))
+    def _sparse_history(self, p, lcs, new, q, q_index, index_weights, positions):
+        full = [gather_rows(t, self.plan, self.group) for t in new]  # every rank's rows, batch order
+        tokens = self.plan.rank_tokens[dist.get_rank(self.group)]
+        out = q.new_empty(q.shape[:2] + (self.config.v_head_dim,))
+        start = 0
+        for lc, n in zip(lcs, self.lengths):
+            for chunks, rows in zip((lc.latent, lc.rope_key, lc.index_key), full):
+                chunks.append(rows[start:start + n])
+            mine = ((tokens >= start) & (tokens < start + n)).nonzero().flatten()  # this rank's rows of it
+            if mine.numel():
+                out[mine] = self._select_attend(p, lc, q[mine], q_index[mine], index_weights[mine], positions[mine])
+            start += n
+        return out

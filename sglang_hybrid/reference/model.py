@@ -192,10 +192,12 @@ class GoldenModel:
         o, lc.state = ops.kda_recurrence(q, k, v, g, beta, lc.state)
         return o
 
-    def _append_history(self, lc: MLACache, latent, rope_key, index_key):
-        lc.latent.append(latent)
-        lc.rope_key.append(rope_key)
-        lc.index_key.append(index_key)
+    def _sparse_history(self, p, lc: MLACache, new, q, q_index, index_weights, positions):
+        """The new rows' history (latent, rope key, index key) appended; then the rows select
+        over the whole history and attend there: [T, H, v_head_dim]."""
+        for chunks, rows in zip((lc.latent, lc.rope_key, lc.index_key), new):
+            chunks.append(rows)
+        return self._select_attend(p, lc, q, q_index, index_weights, positions)
 
     def _sparse_mla(self, i, x, positions, lc: MLACache):
         c, w = self.config, self.w
@@ -207,18 +209,22 @@ class GoldenModel:
         q = (q_latent @ w[p + "q_b_proj.weight"].T).reshape(T, H, nope + rope)
         kv = x @ w[p + "kv_a_proj_with_mqa.weight"].T
         latent = self._latent_cached(ops.rms_norm(kv[:, :rank], w[p + "kv_a_layernorm.weight"], c.rms_norm_eps))
-        self._append_history(lc, latent, kv[:, rank:], self._index_key(p, x, positions))
+        new = (latent, kv[:, rank:], self._index_key(p, x, positions))
+        q_index, index_weights = self._index_query(p, x, q_latent, positions)
+        o = self._sparse_history(p, lc, new, q, q_index, index_weights, positions)
+        return o.reshape(T, H * vdim) @ w[p + "o_proj.weight"].T
 
+    def _select_attend(self, p, lc: MLACache, q, q_index, index_weights, positions):
+        """Rows at `positions` select their Top-K of lc's history and attend there."""
+        c, w = self.config, self.w
+        H, nope, rope, vdim = c.num_attention_heads, c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim
         latent = torch.cat(lc.latent)  # [S, rank]
         S = latent.shape[0]
         k_nope, v = (latent @ w[p + "kv_b_proj.weight"].T).reshape(S, H, nope + vdim).split([nope, vdim], -1)
         k_rope = torch.cat(lc.rope_key)[:, None, :].expand(S, H, rope)
         k = torch.cat([k_nope, k_rope], dim=-1)
-
-        q_index, index_weights = self._index_query(p, x, q_latent, positions)
         selected = self._index_select(q_index, index_weights, positions, torch.cat(lc.index_key))
-        o = ops.sparse_attention(q, k, v, selected, scale=(nope + rope) ** -0.5)
-        return o.reshape(T, H * vdim) @ w[p + "o_proj.weight"].T
+        return ops.sparse_attention(q, k, v, selected, scale=(nope + rope) ** -0.5)
 
     def _latent_cached(self, c):
         """The MLA latent as the KV cache holds it: FP8 with one scale per tile (kernels.fp8_kv)."""
