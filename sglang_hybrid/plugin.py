@@ -8,8 +8,9 @@ places SGLang hard-codes per architecture:
 - ModelConfig._derive_model_shapes: treat the architecture as MLA (latent KV).
 - ServerArgs._handle_model_specific_adjustments: default the attention backend
   to ours (`--attention-backend hybrid_linear_sparse_flashmla` picks sgl-kernel's
-  FlashMLA for the sparse attention instead of our Triton kernel) and keep the
-  prefill CUDA graph off (the sparse layer is eager).
+  FlashMLA for the sparse attention instead of our Triton kernel), keep the
+  prefill CUDA graph off (the sparse layer is eager), and refuse prefill context
+  parallelism until it is wired.
 - KVCacheConfigurator._build_hybrid_linear_kv_pool: MLA pool + index-K cache.
 - DefaultPoolConfigurator._compute_cell_size: count index-K bytes per token.
 - utils.common.support_triton: no Triton bookkeeping kernels without a GPU.
@@ -114,6 +115,12 @@ def _server_defaults(result, server_args, *args, **kwargs):
         raise ValueError(f"{ARCHITECTURE} runs only on --{field.replace('_', '-')} {' or '.join(ours)}; got {value!r}")
     if server_args.attention_backend not in ours:
         server_args.attention_backend = ATTENTION_BACKEND
+    # SGLang's prefill CP splits only attention layers; the KDA layers' fold
+    # (sglang_hybrid.parallel) is not wired into its scheduler yet, so refuse rather than
+    # serve a model whose recurrent layers see a fraction of each prompt.
+    if server_args.enable_prefill_cp or (server_args.attn_cp_size or 1) > 1:
+        raise ValueError(f"{ARCHITECTURE} does not serve context-parallel prefill yet (--enable-prefill-cp, "
+                         f"--attn-cp-size {server_args.attn_cp_size}); run without them")
     # The sparse layer's indexer is eager Python for now; decode graphs are captured.
     if (Phase.PREFILL, "backend") not in server_args._cuda_graph_config_locked:
         server_args.cuda_graph_config.prefill.backend = Backend.DISABLED

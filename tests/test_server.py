@@ -199,12 +199,14 @@ def test_logprobs_match_golden(server, golden, tolerance):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusals of a host without a GPU")
-@pytest.mark.parametrize("backend, reason", [
-    ("triton", "runs only on --attention-backend hybrid_linear_sparse or hybrid_linear_sparse_flashmla"),
-    ("hybrid_linear_sparse_flashmla", "FlashMLA sparse attention needs a Hopper or newer GPU"),
+@pytest.mark.parametrize("args, reason", [
+    (["--attention-backend", "triton"],
+     "runs only on --attention-backend hybrid_linear_sparse or hybrid_linear_sparse_flashmla"),
+    (["--attention-backend", "hybrid_linear_sparse_flashmla"], "FlashMLA sparse attention needs a Hopper or newer GPU"),
+    (["--enable-prefill-cp", "--cp-strategy", "zigzag"], "does not serve context-parallel prefill yet"),
 ])
-def test_unservable_attention_backend_stops_the_server_with_its_reason(checkpoint, tmp_path, backend, reason):
-    srv = Server(checkpoint, str(tmp_path / "server.log"), ["--attention-backend", backend])
+def test_unservable_arguments_stop_the_server_with_their_reason(checkpoint, tmp_path, args, reason):
+    srv = Server(checkpoint, str(tmp_path / "server.log"), args)
     try:
         with pytest.raises(RuntimeError, match="server exited"):
             srv.wait_ready(timeout=300)
