@@ -29,8 +29,6 @@ from triton.testing import do_bench_cudagraph
 from sglang_hybrid.kernels import indexer_topk
 from sglang_hybrid.kernels.indexer_topk import _merge_candidates, _tile_keys
 
-NONE = -(1 << 63)
-
 
 @triton.jit
 def _scoring_kernel(q_ptr, w_ptr, k_ptr, table_ptr, row_len_ptr, out_ptr, stride_qr, stride_qh, stride_wr, stride_k,
@@ -64,12 +62,14 @@ def _merge_kernel(buf_ptr, REPS, KP: tl.constexpr):
     buf = buf_ptr + tl.program_id(0).to(tl.int64) * 2 * KP + tl.zeros([1, 1], tl.int64)
     held = tl.full([1], KP, tl.int32)
     for _ in range(REPS):
-        # The candidates region keeps its keys, so every merge takes a full buffer again.
+        # The candidates region keeps its keys, so every merge takes a full buffer again (the
+        # duplicates this makes change what is kept, not the work).
         held, bar, _ = _merge_candidates(buf, buf, held, tl.full([1], KP, tl.int32), tl.arange(0, 2 * KP), NONE,
                                          KP, True)
 
 
-def scoring_ms(q, w, k, table, row_len, topk: int, block_s: int = 128, num_warps: int = 4, num_stages: int = 3) -> float:
+def scoring_ms(q, w, k, table, row_len, topk: int, block_s: int = 128, num_warps: int = 4,
+               num_stages: int = 3) -> float:
     """The tile loop alone, at indexer_topk's grid for these decode rows (one per request)."""
     R, H, Dh = q.shape
     kp = triton.next_power_of_2(topk)
