@@ -30,6 +30,32 @@ def test_zigzag_plan_places_every_token_once_and_restores_order(world, lengths, 
     assert max(sizes) - min(sizes) <= 2 * len(lengths)
 
 
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("lengths", [[53], [37, 9, 20], [40, 12, 8, 20]])
+def test_zigzag_plan_lays_out_rows_as_sglangs_zigzag_strategy(world, lengths):
+    """SGLang shards the hidden states with ZigzagCPStrategy; the plan must give each rank
+    the same rows in the same order (the layers' local_chunks rely on it)."""
+    from itertools import accumulate
+
+    from sglang.srt.layers.cp.zigzag import ZigzagCPStrategy
+
+    class AtRank(ZigzagCPStrategy):  # SGLang reads the rank from its parallel state
+        def __init__(self, rank):
+            super().__init__(world)
+            self.rank = rank
+
+        @property
+        def cp_rank(self):
+            return self.rank
+
+    plan = zigzag_plan(lengths, world)
+    for rank in range(world):
+        meta = AtRank(rank).build_metadata(sum(lengths), None, lengths)
+        starts = [0, *accumulate(meta.split_list)]
+        theirs = torch.cat([torch.arange(starts[i], starts[i + 1]) for i in meta.zigzag_index])
+        assert torch.equal(plan.rank_tokens[rank], theirs)
+
+
 def test_chunk_bounds_spread_the_remainder_over_the_first_chunks():
     assert chunk_bounds(10, 4) == [0, 3, 6, 8, 10]
     assert chunk_bounds(2, 4) == [0, 1, 2, 2, 2]

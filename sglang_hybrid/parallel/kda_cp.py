@@ -23,13 +23,14 @@ from sglang_hybrid.reference.ops import kda_recurrence, short_causal_conv
 
 
 def local_chunks(lengths: list[int], world: int, rank: int) -> list[list[slice]]:
-    """Per request, the slices of this rank's token rows holding its chunks r and 2W-1-r."""
-    out, start = [], 0
-    for n in lengths:
-        bounds = chunk_bounds(n, 2 * world)
-        sizes = [bounds[c + 1] - bounds[c] for c in zigzag_chunks(rank, world)]
-        out.append([slice(start, start + sizes[0]), slice(start + sizes[0], start + sizes[0] + sizes[1])])
-        start += sum(sizes)
+    """Per request, the slices of this rank's token rows holding its chunks r and 2W-1-r
+    (rows: chunk r of every request, then chunk 2W-1-r of every request; ZigzagPlan)."""
+    sizes = [[bounds[c + 1] - bounds[c] for c in zigzag_chunks(rank, world)]
+             for bounds in (chunk_bounds(n, 2 * world) for n in lengths)]
+    out, front, back = [], 0, sum(s[0] for s in sizes)
+    for first, second in sizes:
+        out.append([slice(front, front + first), slice(back, back + second)])
+        front, back = front + first, back + second
     return out
 
 

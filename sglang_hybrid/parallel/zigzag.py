@@ -37,8 +37,10 @@ class ZigzagPlan:
     """Where every new token of the batch goes.
 
     rank_tokens[r]: indices into the batch's concatenated new tokens held by rank r, in
-    the order rank r processes them (request by request, chunk r before chunk 2W-1-r);
-    rank_positions[r]: their absolute positions (prefix included).
+    the order rank r processes them: its first chunk of every request, then its second
+    (SGLang's ZigzagCPStrategy lays a rank's rows out so, and cuts chunks as chunk_bounds
+    does: tests/test_cp_algebra.py checks both); rank_positions[r]: their absolute
+    positions (prefix included).
     """
 
     world: int
@@ -66,15 +68,15 @@ def _plan(lengths: list[int], world: int, prefix_lens: list[int] | None, owner) 
         raise ValueError(f"world must be >= 1 and lengths >= 0, got world={world}, lengths={lengths}")
     tokens = [[] for _ in range(world)]
     positions = [[] for _ in range(world)]
-    start = 0
-    for n, prefix in zip(lengths, prefix_lens):
-        bounds = chunk_bounds(n, 2 * world)
-        for r in range(world):
-            for c in owner(r, world):
+    for r in range(world):
+        for c in owner(r, world):  # the rank's first chunk of every request, then its second
+            start = 0
+            for n, prefix in zip(lengths, prefix_lens):
+                bounds = chunk_bounds(n, 2 * world)
                 lo, hi = bounds[c], bounds[c + 1]
                 tokens[r].extend(range(start + lo, start + hi))
                 positions[r].extend(range(prefix + lo, prefix + hi))
-        start += n
+                start += n
     as_tensor = lambda xs: torch.tensor(xs, dtype=torch.int64)  # noqa: E731
     return ZigzagPlan(world, [as_tensor(t) for t in tokens], [as_tensor(p) for p in positions])
 
