@@ -42,6 +42,17 @@ part() {
     tiny-e2e) run tiny-e2e 300 tests/test_engine.py tests/test_server.py --preset tiny ;;
     tiny-bf16) run tiny-bf16 260 tests/test_gpu.py::test_bf16_statistically_tracks_golden --preset tiny ;;
     small-e2e) run small-e2e 300 tests/test_engine.py tests/test_server.py --preset small ;;
+    # Issue 5: prefix reuse against the golden model (fp32), and the fp32 KDA path's snapshots.
+    radix-tiny) run radix-tiny 280 tests/test_radix_snapshots.py \
+                  tests/test_gpu.py::test_kda_extend_kernels_fp32_against_reference --preset tiny ;;
+    radix-small) run radix-small 280 tests/test_radix_snapshots.py --preset small ;;
+    # TTFT with a 32K cached prefix against cold, bf16 small preset (checkpoint made here).
+    prefix-reuse) mkdir -p "$OUT/prefix-reuse"
+                  python3 -m sglang_hybrid.cli make-checkpoint --preset small --out /tmp/ckpt-small > /dev/null
+                  timeout 400 python3 benchmarks/prefix_reuse.py --model-path /tmp/ckpt-small \
+                    --out "$OUT/prefix-reuse/prefix_reuse.json" --mem-fraction-static 0.25 \
+                    > "$OUT/prefix-reuse/log.txt" 2>&1
+                  echo "prefix-reuse: rc=$?"; tail -12 "$OUT/prefix-reuse/log.txt" | cut -c1-300 ;;
     small-bf16) run small-bf16 290 tests/test_gpu.py::test_bf16_statistically_tracks_golden --preset small ;;
     # 300 s: the bench server takes ~95 s to start and its first request compiles the kernels.
     bench) run bench 300 tests/test_gpu.py::test_bench_preset_dummy_weights_answers ;;

@@ -18,6 +18,7 @@ CPU_DEFAULTS = {
     "--max-running-requests": "32",
     "--max-mamba-cache-size": "64",
     "--skip-server-warmup": None,
+    "--sleep-on-idle": None,  # an idle scheduler otherwise polls at 100% of a core
 }
 
 

@@ -14,6 +14,13 @@ places SGLang hard-codes per architecture:
 - KVCacheConfigurator._build_hybrid_linear_kv_pool: MLA pool + index-K cache.
 - DefaultPoolConfigurator._compute_cell_size: count index-K bytes per token.
 - utils.common.support_triton: no Triton bookkeeping kernels without a GPU.
+- PagedTokenToKVPoolAllocator.alloc_extend / alloc_decode: torch slot arithmetic
+  on a CPU (cpu_support.paged_allocator), so pages > 1 serve there too.
+- arg_groups.overrides.supports_mamba_cache_extra_buffer and
+  ServerArgs._validate_mamba_extra_buffer: SGLang lists the architectures whose
+  radix cache may snapshot KDA states mid-sequence (extra_buffer) by name and
+  asserts a GPU; ours snapshots on the GPU (SGLang's KDA backend) and on the CPU
+  (layers.kda_backend.TorchKDAAttnBackend), so it takes that strategy by default.
 """
 
 from __future__ import annotations
@@ -43,6 +50,8 @@ def register() -> None:
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
     from sglang.srt.server_args import add_attention_backend_choices
 
+    from sglang_hybrid.cpu_support import paged_allocator
+
     AutoConfig.register(MODEL_TYPE, HybridLinearSparseConfig, exist_ok=True)
     ModelRegistry.register("sglang_hybrid.models", overwrite=True, strict=True)
     register_linear_attn_model(
@@ -66,6 +75,13 @@ def register() -> None:
         "sglang.srt.model_executor.pool_configurator.DefaultPoolConfigurator._compute_cell_size": (
             _cell_size_with_index_k, HookType.AROUND),
         "sglang.srt.utils.common.support_triton": (_support_triton, HookType.AROUND),
+        "sglang.srt.mem_cache.allocator.paged.PagedTokenToKVPoolAllocator.alloc_extend": (
+            paged_allocator.alloc_extend, HookType.AROUND),
+        "sglang.srt.mem_cache.allocator.paged.PagedTokenToKVPoolAllocator.alloc_decode": (
+            paged_allocator.alloc_decode, HookType.AROUND),
+        "sglang.srt.arg_groups.overrides.supports_mamba_cache_extra_buffer": (_supports_extra_buffer,
+                                                                              HookType.AROUND),
+        "sglang.srt.server_args.ServerArgs._validate_mamba_extra_buffer": (_validate_extra_buffer, HookType.AROUND),
     }
     for target, (fn, kind) in hooks.items():
         HookRegistry.register(target, fn, kind)
@@ -195,3 +211,21 @@ def _support_triton(original, backend: str) -> bool:
     import torch
 
     return torch.cuda.is_available() and original(backend)
+
+
+def _supports_extra_buffer(original, view, model_arch: str) -> bool:
+    if model_arch != ARCHITECTURE:
+        return original(view, model_arch)
+    return view.device == "cpu" or view.linear_attn_backend == "triton"  # the kernels that return chunk states
+
+
+def _validate_extra_buffer(original, server_args, view, model_arch: str):
+    if model_arch != ARCHITECTURE or view.device != "cpu":
+        return original(server_args, view, model_arch)
+    # SGLang's own checks less its "needs CUDA": the CPU KDA backend snapshots from the recurrence.
+    if view.mamba_track_interval % (view.page_size or 1):
+        raise ValueError(f"--mamba-track-interval {view.mamba_track_interval} must be a multiple of "
+                         f"--page-size {view.page_size}")
+    if view.speculative_num_draft_tokens is not None and view.mamba_track_interval < view.speculative_num_draft_tokens:
+        raise ValueError(f"--mamba-track-interval {view.mamba_track_interval} must be at least "
+                         f"--speculative-num-draft-tokens {view.speculative_num_draft_tokens}")

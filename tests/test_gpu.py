@@ -135,13 +135,33 @@ def test_kda_extend_kernels_fp32_against_reference(lens, gates):
     chunk = errors(lambda state: chunk_kda(
         q=q, k=k, v=v.clone(), g=f, beta=beta, initial_state=state, initial_state_indices=slots,
         use_qk_l2norm_in_kernel=True, cu_seqlens=cu, A_log=A_log, dt_bias=dt_bias, lower_bound=None))
-    recurrent = errors(lambda state: _recurrent_fp32_extend_kernel().extend(
+    recurrent = errors(lambda state: _recurrent_fp32_extend_kernel(64).extend(
         q, k, v.clone(), f, beta, ssm_states=state, cache_indices=slots, query_start_loc=cu,
         A_log=A_log.reshape(1, 1, H, 1), dt_bias=dt_bias))
+    # The radix cache's snapshots: the state after the last whole 64-token chunk of every
+    # request longer than one chunk, read where SGLang's backend reads chunk_kda's h.
+    first_row = [0]
+    for n in lens:
+        first_row.append(first_row[-1] + (n - 1) // 64 + 1)
+    tracked = [i for i, n in enumerate(lens) if n > 64]
+    h_src = torch.tensor([first_row[i] + (lens[i] - 1) // 64 for i in tracked], device="cuda")
+    snapshots = []
+    tracked_run = errors(lambda state: snapshots.append(_recurrent_fp32_extend_kernel(64).extend(
+        q, k, v.clone(), f, beta, ssm_states=state, cache_indices=slots, query_start_loc=cu,
+        A_log=A_log.reshape(1, 1, H, 1), dt_bias=dt_bias, return_intermediate_states=True,
+        track_ssm_h_src=h_src)) or snapshots[0])
+    h = snapshots[0][1].squeeze(0)[h_src]
+    for row, i in enumerate(tracked):
+        s, n = int(cu[i]), (lens[i] - 1) // 64 * 64
+        gate = ops.kda_gate(f[0, s:s + n], A_log, dt_bias)
+        _, want_state = ops.kda_recurrence(ops.l2norm(q[0, s:s + n]) * K**-0.5, ops.l2norm(k[0, s:s + n]),
+                                           v[0, s:s + n], gate, beta[0, s:s + n], torch.zeros(H, K, K, device="cuda"))
+        tracked_run.append(((h[row].transpose(-1, -2) - want_state).norm() / want_state.norm()).item())
     print(f"KDA extend fp32 vs reference, {gates} gates, relative error per request (out, state): "
-          f"chunk_kda {chunk}, fp32 path {recurrent}")
+          f"chunk_kda {chunk}, fp32 path {recurrent}, fp32 path with snapshots {tracked_run}")
     assert max(chunk) < CHUNK_KDA_FP32_TOL
     assert max(recurrent) < RECURRENT_FP32_TOL
+    assert max(tracked_run) < RECURRENT_FP32_TOL
 
 
 def test_sglang_kda_conv_and_gated_norm_fp32_match_reference():

@@ -102,6 +102,7 @@ def install_stub() -> None:
     # torch.ops.sgl_kernel.convert_weight_packed, which is never defined here.
     sys.meta_path.insert(0, _StubFinder())
     _define_placeholder_ops()
+    _unpinned_host_memory()
 
 
 def _define_placeholder_ops() -> None:
@@ -112,3 +113,17 @@ def _define_placeholder_ops() -> None:
     for name in IMPORT_TIME_OPS:
         _placeholder_library.define(f"{name}(Tensor x) -> Tensor")
         _placeholder_library.impl(name, _Missing(f"torch.ops.sgl_kernel.{name}"), "CompositeExplicitAutograd")
+
+
+def _unpinned_host_memory() -> None:
+    """Page-locked host memory needs the CUDA driver, and SGLang's radix-cache snapshot
+    path (extra_buffer) pins its index tensors unconditionally; pinning only speeds up
+    copies to a GPU, so without one it becomes a no-op."""
+    import torch
+
+    def tensor(*args, pin_memory=False, **kwargs):
+        return make_tensor(*args, **kwargs)
+
+    make_tensor = torch.tensor
+    torch.tensor = tensor
+    torch.Tensor.pin_memory = lambda self, *args, **kwargs: self

@@ -23,42 +23,102 @@ def create_kda_backend(model_runner) -> MambaAttnBackendBase:
 
         backend = KDAAttnBackend(model_runner)
         if model_runner.model_config.dtype == torch.float32:
-            backend.kernel_dispatcher.extend_kernel = _recurrent_fp32_extend_kernel()
+            backend.kernel_dispatcher.extend_kernel = _recurrent_fp32_extend_kernel(
+                model_runner.server_args.mamba_cache_chunk_size)
         return backend
     return TorchKDAAttnBackend(model_runner)
 
 
-def _recurrent_fp32_extend_kernel():
+def _recurrent_fp32_extend_kernel(track_chunk: int):
     """fp32 serving is the exact mode (the one checked token for token against the golden
     model). SGLang's chunk_kda is not fp32-exact by design: it rounds the off-diagonal
     intra-chunk products to bf16 and solves in TF32, about 2e-3 relative error on the
     H200 at any gate strength, while its token-by-token fused_recurrent_kda is within
     1e-6 (benchmarks/kda_chunk_precision.py). So fp32 prefill runs the recurrence; bf16
-    keeps the chunked kernel. The radix cache's per-chunk snapshots (extra_buffer) need
-    chunk_kda's chunk states and still take it."""
+    keeps the chunked kernel. The radix cache's snapshots (extra_buffer) read the state
+    at one chunk boundary per tracked request: the recurrence stops there, hands that
+    state over, and goes on (a second launch)."""
     from sglang.kernels.ops.attention.fla.kda import fused_recurrent_kda
     from sglang.srt.layers.attention.linear.kernels.kda_triton import TritonKDAKernel
 
     class RecurrentFp32KDAKernel(TritonKDAKernel):
         def extend(self, q, k, v, g, beta, *, ssm_states, cache_indices, query_start_loc, A_log=None,
-                   dt_bias=None, lower_bound=None, return_intermediate_states=False, **kwargs):
-            if return_intermediate_states or lower_bound is not None or A_log is None:
+                   dt_bias=None, lower_bound=None, return_intermediate_states=False, track_ssm_h_src=None,
+                   **kwargs):
+            if lower_bound is not None or A_log is None:
                 return super().extend(q, k, v, g, beta, ssm_states=ssm_states, cache_indices=cache_indices,
                                       query_start_loc=query_start_loc, A_log=A_log, dt_bias=dt_bias,
                                       lower_bound=lower_bound, return_intermediate_states=return_intermediate_states,
-                                      **kwargs)
+                                      track_ssm_h_src=track_ssm_h_src, **kwargs)
             gate = ops.kda_gate(g[0].float(), A_log, dt_bias).unsqueeze(0)
-            state = ssm_states[cache_indices]  # [N, H, V, K], a copy the kernel updates in place
-            out, state = fused_recurrent_kda(q=q, k=k, v=v, g=gate, beta=beta, initial_state=state,
-                                             use_qk_l2norm_in_kernel=True, cu_seqlens=query_start_loc)
+            starts = query_start_loc.tolist()
+            cuts = _chunk_cuts(starts, track_ssm_h_src, track_chunk)
+
+            def recur(segments, initial_state):
+                tokens = torch.cat([torch.arange(a, b) for a, b in segments]).to(q.device)
+                cu = torch.tensor([0] + [b - a for a, b in segments], device=q.device).cumsum(0).to(query_start_loc.dtype)
+                o, state = fused_recurrent_kda(q=q[:, tokens], k=k[:, tokens], v=v[:, tokens], g=gate[:, tokens],
+                                               beta=beta[:, tokens], initial_state=initial_state,
+                                               use_qk_l2norm_in_kernel=True, cu_seqlens=cu)
+                return tokens, o, state
+
+            n = len(starts) - 1
+            tokens, out_head, state = recur([(starts[i], starts[i] + cuts.get(i, starts[i + 1] - starts[i]))
+                                             for i in range(n)], ssm_states[cache_indices])
+            out = q.new_empty(*q.shape[:3], v.shape[-1])
+            out[:, tokens] = out_head
+            snapshots = state[list(cuts)] if cuts else None  # in track_ssm_h_src's order
+            rest = [i for i, c in cuts.items() if starts[i] + c < starts[i + 1]]
+            if rest:
+                tail, out_tail, state_tail = recur([(starts[i] + cuts[i], starts[i + 1]) for i in rest], state[rest])
+                out[:, tail] = out_tail
+                state[rest] = state_tail
             ssm_states[cache_indices] = state
-            return out
+            return (out, _TrackedChunkStates(track_ssm_h_src, snapshots)) if return_intermediate_states else out
 
     return RecurrentFp32KDAKernel()
 
 
+def _chunk_cuts(starts: list[int], h_src: torch.Tensor | None, chunk: int) -> dict[int, int]:
+    """{request: tokens before its snapshot}, in h_src's order. h_src indexes the
+    per-chunk states a chunked kernel would return (request i owns
+    (len_i - 1) // chunk + 1 rows, row j = the state after j * chunk tokens)."""
+    if h_src is None:
+        return {}
+    first_row = [0]
+    for a, b in zip(starts, starts[1:]):
+        first_row.append(first_row[-1] + (b - a - 1) // chunk + 1)
+    cuts = {}
+    for src in h_src.tolist():
+        i = next(i for i in range(len(starts) - 1) if first_row[i] <= src < first_row[i + 1])
+        cuts[i] = (src - first_row[i]) * chunk
+    return cuts
+
+
+class _TrackedChunkStates:
+    """Stands for a chunked kernel's per-chunk states h where only the tracked rows
+    exist: SGLang's backend reads exactly h.squeeze(0)[track_ssm_h_src]."""
+
+    def __init__(self, h_src, states):
+        self.h_src, self.states = h_src, states
+
+    def squeeze(self, dim):
+        return self
+
+    def __getitem__(self, index):
+        if index is not self.h_src and not torch.equal(index, self.h_src):
+            raise IndexError("only the tracked chunk states were kept")
+        return self.states
+
+
 class TorchKDAAttnBackend(MambaAttnBackendBase):
-    """KDA on the reference ops, one request at a time (CPU path)."""
+    """KDA on the reference ops, one request at a time (CPU path).
+
+    With the radix cache's extra_buffer strategy it also snapshots: an extend row
+    with a track mask copies its conv window and state at the last
+    mamba_cache_chunk_size-aligned point of the extend (SGLang's forced branch
+    point included) into its track slot; a decode row, its state after the step.
+    """
 
     def __init__(self, model_runner):
         super().__init__(model_runner)
@@ -68,13 +128,12 @@ class TorchKDAAttnBackend(MambaAttnBackendBase):
     def forward_extend(self, layer, forward_batch: ForwardBatch, mixed_qkv=None, a=None, b=None, **kwargs):
         if forward_batch.forward_mode.is_target_verify():
             raise NotImplementedError("speculative verify is not implemented on the CPU KDA path")
-        if self.forward_metadata.has_mamba_track_mask:
-            raise NotImplementedError("the extra-buffer mamba cache is not supported on CPU; use no_buffer")
         slots = self.forward_metadata.mamba_cache_indices.tolist()
         starts = self.forward_metadata.query_start_loc.tolist()
         prefix_lens = forward_batch.extend_prefix_lens_cpu
         g = ops.kda_gate(a[0].float(), layer.A_log, layer.dt_bias)
-        out = self._run(layer, mixed_qkv, g, b[0].float(), slots, starts, [p > 0 for p in prefix_lens])
+        out = self._run(layer, mixed_qkv, g, b[0].float(), slots, starts, [p > 0 for p in prefix_lens],
+                        self._extend_snapshots(forward_batch, prefix_lens))
         return out.unsqueeze(0)
 
     def forward_decode(self, layer, forward_batch: ForwardBatch, mixed_qkv=None, a=None, b=None, **kwargs):
@@ -82,10 +141,28 @@ class TorchKDAAttnBackend(MambaAttnBackendBase):
         T = mixed_qkv.shape[0]
         g = ops.kda_gate(a.float().reshape(T, layer.num_v_heads, layer.head_k_dim), layer.A_log, layer.dt_bias)
         beta = b.float().reshape(T, layer.num_v_heads).sigmoid()
-        out = self._run(layer, mixed_qkv, g, beta, slots, list(range(T + 1)), [True] * T)
+        snapshots = {}
+        if forward_batch.mamba_track_mask is not None:  # rows whose length reached a track interval
+            dst = self.forward_metadata.mamba_track_indices.tolist()
+            snapshots = {i: (1, dst[i]) for i in forward_batch.mamba_track_mask.nonzero().flatten().tolist()}
+        out = self._run(layer, mixed_qkv, g, beta, slots, list(range(T + 1)), [True] * T, snapshots)
         return out.unsqueeze(0)
 
-    def _run(self, layer, mixed_qkv, g, beta, slots, starts, continues):
+    def _extend_snapshots(self, forward_batch, prefix_lens) -> dict[int, tuple[int, int]]:
+        """{row: (tokens of this extend before the snapshot, track slot)}, as SGLang's
+        _init_track_ssm_indices reads them: the point is the last chunk-aligned one
+        at or before mamba_track_seqlens (which SGLang moves past a forced branch point)."""
+        if not self.forward_metadata.has_mamba_track_mask:
+            return {}
+        from sglang.srt.runtime_context import get_server_args
+
+        chunk = get_server_args().mamba_cache_chunk_size
+        mask = forward_batch.mamba_track_mask.tolist()
+        seqlens = forward_batch.mamba_track_seqlens.tolist()
+        dst = self.forward_metadata.mamba_track_indices.tolist()
+        return {i: ((seqlens[i] - prefix_lens[i]) // chunk * chunk, dst[i]) for i in range(len(mask)) if mask[i]}
+
+    def _run(self, layer, mixed_qkv, g, beta, slots, starts, continues, snapshots):
         cache = self.req_to_token_pool.mamba2_layer_cache(layer.layer_id)
         conv_pool, state_pool = cache.conv[0], cache.temporal  # [N, W-1, 3P], [N, H, V, K]
         H, K, V = layer.num_v_heads, layer.head_k_dim, layer.head_v_dim
@@ -97,10 +174,14 @@ class TorchKDAAttnBackend(MambaAttnBackendBase):
                 continue
             window = conv_pool[slot].float() if continues[i] else conv_pool.new_zeros(conv_pool.shape[1:], dtype=torch.float32)
             state = state_pool[slot].float().transpose(-1, -2) if continues[i] else state_pool.new_zeros((H, K, V), dtype=torch.float32)
-            qkv, window = ops.short_causal_conv(mixed_qkv[s:e].float(), window, conv_w)
-            q, k, v = qkv.reshape(e - s, 3, H, K).unbind(1)
-            o, state = ops.kda_recurrence(ops.l2norm(q) * K**-0.5, ops.l2norm(k), v, g[s:e], beta[s:e], state)
-            out[s:e] = o.to(out.dtype)
-            conv_pool[slot] = window.to(conv_pool.dtype)
-            state_pool[slot] = state.transpose(-1, -2).to(state_pool.dtype)
+            segments = [(s + snapshots[i][0], snapshots[i][1])] if i in snapshots else []
+            for end, dst in segments + [(e, slot)]:
+                if end > s:
+                    qkv, window = ops.short_causal_conv(mixed_qkv[s:end].float(), window, conv_w)
+                    q, k, v = qkv.reshape(end - s, 3, H, K).unbind(1)
+                    o, state = ops.kda_recurrence(ops.l2norm(q) * K**-0.5, ops.l2norm(k), v, g[s:end], beta[s:end], state)
+                    out[s:end] = o.to(out.dtype)
+                    s = end
+                conv_pool[dst] = window.to(conv_pool.dtype)
+                state_pool[dst] = state.transpose(-1, -2).to(state_pool.dtype)
         return out

@@ -1,0 +1,106 @@
+"""Time to first token with and without a cached prefix, through SGLang's real server.
+
+For each of N rounds a fresh random prefix of --prefix tokens is sent with a short
+suffix (cold: nothing cached), then the same prefix with another suffix (warm: the
+radix cache restores latent KV, index-K and every KDA layer's state and conv window
+at the deepest snapshot, and only the rest is prefilled). TTFT is the latency of a
+one-token request. Also reported: the reuse depth SGLang returns (cached_tokens), the
+bytes of one state snapshot (all KDA layers) and of one token of latent KV + index-K,
+read from the server's own allocation log lines.
+
+    python benchmarks/prefix_reuse.py --model-path CKPT --out result.json [server args...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import re
+import statistics
+import subprocess
+import sys
+import time
+
+import requests
+
+
+def start_server(model_path: str, port: int, extra: list[str], log_path: str) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", model_path, "--port", str(port),
+           "--host", "127.0.0.1", *extra]
+    proc = subprocess.Popen(cmd, stdout=open(log_path, "w"), stderr=subprocess.STDOUT, start_new_session=True)
+    deadline = time.time() + 600
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}; see {log_path}")
+        try:
+            if requests.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200:
+                return proc
+        except requests.RequestException:
+            pass
+        time.sleep(2)
+    raise TimeoutError(f"server not ready; see {log_path}")
+
+
+def first_token(url: str, ids: list[int]) -> tuple[float, int]:
+    body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 1, "temperature": 0}}
+    t = time.perf_counter()
+    r = requests.post(url + "/generate", json=body, timeout=600)
+    r.raise_for_status()
+    return time.perf_counter() - t, r.json()["meta_info"]["cached_tokens"]
+
+
+def allocation_bytes(log: str) -> dict:
+    """Snapshot and per-token cache sizes from SGLang's allocation log lines."""
+    out = {}
+    m = re.search(r"max_mamba_cache_size: (\d+), conv_state size: ([\d.]+)GB, ssm_state size: ([\d.]+)GB", log)
+    if m:
+        slots, conv, ssm = int(m[1]), float(m[2]), float(m[3])
+        out["state_snapshot_bytes"] = (conv + ssm) * 2**30 / slots
+    m = re.search(r"KV Cache is allocated\..*#tokens: (\d+), KV size: ([\d.]+) GB", log)
+    if m:
+        out["kv_bytes_per_token"] = float(m[2]) * 2**30 / int(m[1])
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model-path", required=True)
+    ap.add_argument("--prefix", type=int, default=32000)
+    ap.add_argument("--suffix", type=int, default=32)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--port", type=int, default=31555)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--log", default=None)
+    args, server_args = ap.parse_known_args()
+    log_path = args.log or args.out.replace(".json", "_server.log")
+    proc = start_server(args.model_path, args.port, server_args, log_path)
+    url = f"http://127.0.0.1:{args.port}"
+    rng = random.Random(0)
+    tokens = lambda n: [rng.randrange(100, 30000) for _ in range(n)]  # noqa: E731
+    try:
+        first_token(url, tokens(256))  # compile and warm the kernels outside the timing
+        rounds = []
+        for _ in range(args.rounds):
+            prefix = tokens(args.prefix)
+            cold_s, cold_hit = first_token(url, prefix + tokens(args.suffix))
+            warm_s, warm_hit = first_token(url, prefix + tokens(args.suffix))
+            rounds.append({"cold_s": cold_s, "warm_s": warm_s, "cold_cached": cold_hit, "warm_cached": warm_hit})
+            print(json.dumps(rounds[-1]), flush=True)
+    finally:
+        proc.terminate()
+        proc.wait(60)
+    cold = statistics.median(r["cold_s"] for r in rounds)
+    warm = statistics.median(r["warm_s"] for r in rounds)
+    result = {"prefix": args.prefix, "suffix": args.suffix, "server_args": server_args, "rounds": rounds,
+              "cold_ttft_s": cold, "warm_ttft_s": warm, "warm_over_cold": warm / cold,
+              **allocation_bytes(open(log_path, errors="replace").read())}
+    if "state_snapshot_bytes" in result and "kv_bytes_per_token" in result:
+        result["snapshot_in_tokens_of_kv"] = result["state_snapshot_bytes"] / result["kv_bytes_per_token"]
+    print(json.dumps({k: v for k, v in result.items() if k != "rounds"}, indent=1))
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,142 @@
+"""Prefix reuse through SGLang's radix cache, served and checked against the golden model.
+
+A hybrid model may reuse a cached prefix only up to a token where it also holds every
+KDA layer's state and conv window; the latent KV and index-K sit in the same token
+slots (mem_cache.sparse_mla_pool), so the radix tree keeps them with the prefix. This
+architecture is served with SGLang's extra_buffer snapshots (plugin.py): the state at
+the last mamba_cache_chunk_size-aligned point (64 tokens here) of each prefill chunk,
+at the branch point when a request diverges inside a cached prefix, and every
+--mamba-track-interval decode tokens. A request resumes from the deepest prefix that
+has one. Warm must equal cold: every continuation is checked against the golden model,
+and how deep each request reused against that policy.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import random
+
+import pytest
+import requests
+
+from conftest import GPU_SERVER_ARGS, Server
+
+pytestmark = pytest.mark.slow
+
+CHUNK = 64  # mamba_cache_chunk_size: fla's chunk, and a multiple of both servers' pages
+PAGED_POOL_TOKENS = 1536
+PAGED_SERVER_ARGS = ["--page-size", "16", "--mamba-track-interval", "64", "--chunked-prefill-size", "128",
+                     "--max-total-tokens", str(PAGED_POOL_TOKENS), "--max-mamba-cache-size", "16"]
+
+
+def _tokens(rng, n):
+    return [rng.randrange(3, 2000) for _ in range(n)]
+
+
+def _generate(url, input_ids, max_new):
+    body = {"input_ids": input_ids, "sampling_params": {"max_new_tokens": max_new, "temperature": 0, "ignore_eos": True}}
+    r = requests.post(url + "/generate", json=body, timeout=600)
+    r.raise_for_status()
+    res = r.json()
+    return res["output_ids"], res["meta_info"]["cached_tokens"]
+
+
+@pytest.fixture(scope="module")
+def paged_server(checkpoint, tmp_path_factory):
+    """Pages of 16 tokens, decode snapshots every 64, and pools small enough that a
+    workload of a few thousand distinct tokens must evict prefixes and states."""
+    import torch
+
+    log_dir = os.environ.get("SGLANG_HYBRID_TEST_LOGS") or str(tmp_path_factory.mktemp("logs"))
+    gpu = GPU_SERVER_ARGS[:GPU_SERVER_ARGS.index("--chunked-prefill-size")] if torch.cuda.is_available() else []
+    srv = Server(checkpoint, os.path.join(log_dir, "paged_server.log"), [*gpu, *PAGED_SERVER_ARGS])
+    try:
+        yield srv.wait_ready()
+    finally:
+        srv.stop()
+
+
+def prefill_snapshots(prompt_len: int, prefill_chunk: int) -> list[int]:
+    """Where a cold prefill of prompt_len tokens leaves states: in each prefill chunk
+    of at least CHUNK tokens, at its last CHUNK-aligned point (counted from the chunk's start)."""
+    points = []
+    for start in range(0, prompt_len, prefill_chunk):
+        n = min(prefill_chunk, prompt_len - start)
+        if n >= CHUNK:
+            points.append(start + n // CHUNK * CHUNK)
+    return points
+
+
+def test_repeat_branch_and_mid_chunk_reuse_equal_cold(server, check):
+    """One 300-token prompt, then: the same prompt (resumes at 256); a request branching at
+    token 200 (resumes at the deepest snapshot before it, and snapshots the branch point
+    192); the same branch again (resumes at 192); a request branching mid-chunk at 290
+    (resumes at 256). Warm outputs equal cold ones and the golden model's."""
+    prefill_chunk = requests.get(server.url + "/get_server_info", timeout=30).json()["chunked_prefill_size"]
+    rng = random.Random(50)
+    prompt = _tokens(rng, 300)
+    branch = prompt[:200] + _tokens(rng, 40)
+    mid_chunk = prompt[:290] + _tokens(rng, 20)
+    cold, hit = _generate(server.url, prompt, 24)
+    assert hit == 0
+    check.greedy(prompt, cold)
+    before_branch = max([0] + [p for p in prefill_snapshots(len(prompt), prefill_chunk) if p <= 200])
+    for ids, want_hit in ((prompt, 256), (branch, before_branch), (branch, 192), (mid_chunk, 256)):
+        out, hit = _generate(server.url, ids, 24)
+        assert hit == want_hit, f"prompt of {len(ids)} tokens reused {hit}, expected {want_hit}"
+        check.greedy(ids, out)
+        if ids is prompt:
+            assert out == cold
+
+
+def test_paged_prefill_chunks_and_decode_snapshots_serve_the_next_turn(paged_server, check):
+    """With pages of 16 and 128-token prefill chunks, every chunk leaves a snapshot (128,
+    then 192 = 128 + the last whole 64 of the second chunk); decode leaves one at 256.
+    The second turn resumes at 256, the first turn's branch at 192."""
+    rng = random.Random(51)
+    prompt = _tokens(rng, 200)
+    first, hit = _generate(paged_server.url, prompt, 64)
+    assert hit == 0
+    check.greedy(prompt, first)
+    turn2 = prompt + first + _tokens(rng, 5)
+    out, hit = _generate(paged_server.url, turn2, 32)
+    assert hit == 256
+    check.greedy(turn2, out)
+    branch = prompt[:195] + _tokens(rng, 30)
+    out, hit = _generate(paged_server.url, branch, 16)
+    assert hit == 192
+    check.greedy(branch, out)
+
+
+def test_shared_system_prompts_multi_turn_under_eviction(paged_server, check):
+    """Sixteen conversations over three shared system prompts, three turns each, four at a
+    time: more distinct tokens than the token pool holds and more snapshots than the state
+    pool, so prefixes and states are evicted while others are reused. Every answer equals
+    the golden model's; SGLang's leak check stays clean."""
+    rng = random.Random(52)
+    systems = [_tokens(rng, n) for n in (150, 180, 210)]
+    conversations = [(systems[i % 3], [_tokens(rng, rng.randrange(5, 40)) for _ in range(3)]) for i in range(16)]
+
+    def converse(conversation):
+        history, served = list(conversation[0]), []
+        for user in conversation[1]:
+            ids = history + user
+            out, hit = _generate(paged_server.url, ids, 24)
+            served.append((ids, out, hit))
+            history = ids + out
+        return served
+
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        served = list(pool.map(converse, conversations))
+    # Distinct tokens = the shared system prompts plus each conversation's own turns.
+    distinct = sum(map(len, systems)) + sum(len(c[-1][0]) + len(c[-1][1]) - len(s) for (s, _), c in
+                                            zip(conversations, served))
+    assert distinct > 1.5 * PAGED_POOL_TOKENS  # the tree cannot have kept them all
+    results = [turn for conversation in served for turn in conversation]
+    reused = [hit for _, _, hit in results]
+    assert sum(h > 0 for h in reused) >= len(results) // 2, f"reuse per request: {reused}"
+    for ids, out, _ in results:
+        check.greedy(ids, out)
+    log = paged_server.read_log()
+    assert "memory leak detected" not in log and "Traceback" not in log
