@@ -45,7 +45,16 @@ part() {
     # Issue 5: prefix reuse against the golden model (fp32), and the fp32 KDA path's snapshots.
     radix-tiny) run radix-tiny 280 tests/test_radix_snapshots.py \
                   tests/test_gpu.py::test_kda_extend_kernels_fp32_against_reference --preset tiny ;;
+    kda-fp32) run kda-fp32 300 tests/test_gpu.py::test_kda_extend_kernels_fp32_against_reference ;;
     radix-small) run radix-small 280 tests/test_radix_snapshots.py --preset small ;;
+    # The eviction workload again (small), then each of its prompts cold on a server without the cache.
+    radix-replay) run radix-replay 200 tests/test_radix_snapshots.py -k eviction --preset small
+                  python3 -m sglang_hybrid.cli make-checkpoint --preset small --out /tmp/ckpt-small-replay > /dev/null
+                  timeout 200 python3 benchmarks/radix_replay_cold.py --model-path /tmp/ckpt-small-replay \
+                    --workload "$OUT/radix-replay/radix_workload.json" --out "$OUT/radix-replay/replay.json" \
+                    --dtype float32 --mem-fraction-static 0.25 --cuda-graph-max-bs 32 --page-size 16 \
+                    --chunked-prefill-size 128 --max-total-tokens 1536 > "$OUT/radix-replay/replay_log.txt" 2>&1
+                  echo "radix-replay cold: rc=$?"; tail -30 "$OUT/radix-replay/replay_log.txt" | cut -c1-200 ;;
     # TTFT with a 32K cached prefix against cold, bf16 small preset (checkpoint made here).
     prefix-reuse) mkdir -p "$OUT/prefix-reuse"
                   python3 -m sglang_hybrid.cli make-checkpoint --preset small --out /tmp/ckpt-small > /dev/null

@@ -14,6 +14,7 @@ and how deep each request reused against that policy.
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import os
 import random
 
@@ -134,6 +135,9 @@ def test_shared_system_prompts_multi_turn_under_eviction(paged_server, check):
                                             zip(conversations, served))
     assert distinct > 1.5 * PAGED_POOL_TOKENS  # the tree cannot have kept them all
     results = [turn for conversation in served for turn in conversation]
+    if os.environ.get("SGLANG_HYBRID_TEST_LOGS"):  # for benchmarks/radix_replay_cold.py
+        with open(os.path.join(os.environ["SGLANG_HYBRID_TEST_LOGS"], "radix_workload.json"), "w") as f:
+            json.dump([{"input_ids": ids, "output_ids": out, "cached_tokens": hit} for ids, out, hit in results], f)
     reused = [hit for _, _, hit in results]
     assert sum(h > 0 for h in reused) >= len(results) // 2, f"reuse per request: {reused}"
     for ids, out, _ in results:
