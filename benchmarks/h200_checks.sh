@@ -58,10 +58,17 @@ part() {
     # TTFT with a 32K cached prefix against cold, bf16 small preset (checkpoint made here).
     prefix-reuse) mkdir -p "$OUT/prefix-reuse"
                   python3 -m sglang_hybrid.cli make-checkpoint --preset small --out /tmp/ckpt-small > /dev/null
-                  timeout 400 python3 benchmarks/prefix_reuse.py --model-path /tmp/ckpt-small \
+                  timeout 230 python3 benchmarks/prefix_reuse.py --model-path /tmp/ckpt-small \
                     --out "$OUT/prefix-reuse/prefix_reuse.json" --mem-fraction-static 0.25 \
                     > "$OUT/prefix-reuse/log.txt" 2>&1
-                  echo "prefix-reuse: rc=$?"; tail -12 "$OUT/prefix-reuse/log.txt" | cut -c1-300 ;;
+                  echo "prefix-reuse: rc=$?"; tail -16 "$OUT/prefix-reuse/log.txt" | cut -c1-300 ;;
+    # The same on the 48B-A3B-class bench config (dummy weights; the whole GPU).
+    prefix-reuse-bench) mkdir -p "$OUT/prefix-reuse-bench"
+                  python3 -m sglang_hybrid.cli make-checkpoint --preset bench --out /tmp/ckpt-bench > /dev/null
+                  timeout 320 python3 benchmarks/prefix_reuse.py --model-path /tmp/ckpt-bench --rounds 3 \
+                    --out "$OUT/prefix-reuse-bench/prefix_reuse.json" --load-format dummy --context-length 40000 \
+                    --mem-fraction-static 0.9 > "$OUT/prefix-reuse-bench/log.txt" 2>&1
+                  echo "prefix-reuse-bench: rc=$?"; tail -16 "$OUT/prefix-reuse-bench/log.txt" | cut -c1-300 ;;
     small-bf16) run small-bf16 290 tests/test_gpu.py::test_bf16_statistically_tracks_golden --preset small ;;
     # 300 s: the bench server takes ~95 s to start and its first request compiles the kernels.
     bench) run bench 300 tests/test_gpu.py::test_bench_preset_dummy_weights_answers ;;

@@ -4,7 +4,9 @@ For each of N rounds a fresh random prefix of --prefix tokens is sent with a sho
 suffix (cold: nothing cached), then the same prefix with another suffix (warm: the
 radix cache restores latent KV, index-K and every KDA layer's state and conv window
 at the deepest snapshot, and only the rest is prefilled). TTFT is the latency of a
-one-token request. Also reported: the reuse depth SGLang returns (cached_tokens), the
+one-token request; its floor is the TTFT of a fresh prompt as short as the suffix
+(the server's fixed cost per request, which no cache removes). One untimed round
+first compiles the kernels for these shapes. Also reported: the reuse depth SGLang returns (cached_tokens), the
 bytes of one state snapshot (all KDA layers) and of one token of latent KV + index-K,
 read from the server's own allocation log lines.
 
@@ -79,21 +81,25 @@ def main():
     rng = random.Random(0)
     tokens = lambda n: [rng.randrange(100, 30000) for _ in range(n)]  # noqa: E731
     try:
-        first_token(url, tokens(256))  # compile and warm the kernels outside the timing
         rounds = []
-        for _ in range(args.rounds):
+        for _ in range(args.rounds + 1):
             prefix = tokens(args.prefix)
             cold_s, cold_hit = first_token(url, prefix + tokens(args.suffix))
             warm_s, warm_hit = first_token(url, prefix + tokens(args.suffix))
-            rounds.append({"cold_s": cold_s, "warm_s": warm_s, "cold_cached": cold_hit, "warm_cached": warm_hit})
+            floor_s, _ = first_token(url, tokens(args.suffix))
+            rounds.append({"cold_s": cold_s, "warm_s": warm_s, "floor_s": floor_s, "cold_cached": cold_hit,
+                           "warm_cached": warm_hit})
             print(json.dumps(rounds[-1]), flush=True)
+        rounds = rounds[1:]  # the first compiled the kernels
     finally:
         proc.terminate()
         proc.wait(60)
     cold = statistics.median(r["cold_s"] for r in rounds)
     warm = statistics.median(r["warm_s"] for r in rounds)
+    floor = statistics.median(r["floor_s"] for r in rounds)
     result = {"prefix": args.prefix, "suffix": args.suffix, "server_args": server_args, "rounds": rounds,
-              "cold_ttft_s": cold, "warm_ttft_s": warm, "warm_over_cold": warm / cold,
+              "cold_ttft_s": cold, "warm_ttft_s": warm, "floor_ttft_s": floor, "warm_over_cold": warm / cold,
+              "floor_over_cold": floor / cold,
               **allocation_bytes(open(log_path, errors="replace").read())}
     if "state_snapshot_bytes" in result and "kv_bytes_per_token" in result:
         result["snapshot_in_tokens_of_kv"] = result["state_snapshot_bytes"] / result["kv_bytes_per_token"]
