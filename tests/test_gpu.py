@@ -146,11 +146,16 @@ def test_kda_extend_kernels_fp32_against_reference(lens, gates):
     tracked = [i for i, n in enumerate(lens) if n > 64]
     h_src = torch.tensor([first_row[i] + (lens[i] - 1) // 64 for i in tracked], device="cuda")
     snapshots = []
-    tracked_run = errors(lambda state: snapshots.append(_recurrent_fp32_extend_kernel(64).extend(
-        q, k, v.clone(), f, beta, ssm_states=state, cache_indices=slots, query_start_loc=cu,
-        A_log=A_log.reshape(1, 1, H, 1), dt_bias=dt_bias, return_intermediate_states=True,
-        track_ssm_h_src=h_src)) or snapshots[0])
-    h = snapshots[0][1].squeeze(0)[h_src]
+
+    def extend_tracked(state):
+        out, h = _recurrent_fp32_extend_kernel(64).extend(
+            q, k, v.clone(), f, beta, ssm_states=state, cache_indices=slots, query_start_loc=cu,
+            A_log=A_log.reshape(1, 1, H, 1), dt_bias=dt_bias, return_intermediate_states=True, track_ssm_h_src=h_src)
+        snapshots.append(h.squeeze(0)[h_src])
+        return out
+
+    tracked_run = errors(extend_tracked)
+    h = snapshots[0]
     for row, i in enumerate(tracked):
         s, n = int(cu[i]), (lens[i] - 1) // 64 * 64
         gate = ops.kda_gate(f[0, s:s + n], A_log, dt_bias)

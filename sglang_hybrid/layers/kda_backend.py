@@ -124,6 +124,7 @@ class TorchKDAAttnBackend(MambaAttnBackendBase):
         super().__init__(model_runner)
         conv = model_runner.req_to_token_pool.mamba_pool.mamba_cache.conv[0]
         self.conv_states_shape = conv.transpose(-1, -2).shape
+        self.track_chunk = model_runner.server_args.mamba_cache_chunk_size
 
     def forward_extend(self, layer, forward_batch: ForwardBatch, mixed_qkv=None, a=None, b=None, **kwargs):
         if forward_batch.forward_mode.is_target_verify():
@@ -154,9 +155,7 @@ class TorchKDAAttnBackend(MambaAttnBackendBase):
         at or before mamba_track_seqlens (which SGLang moves past a forced branch point)."""
         if not self.forward_metadata.has_mamba_track_mask:
             return {}
-        from sglang.srt.runtime_context import get_server_args
-
-        chunk = get_server_args().mamba_cache_chunk_size
+        chunk = self.track_chunk
         mask = forward_batch.mamba_track_mask.tolist()
         seqlens = forward_batch.mamba_track_seqlens.tolist()
         dst = self.forward_metadata.mamba_track_indices.tolist()
