@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from sglang_hybrid.parallel.kda_cp import conv_cp, kda_cp
-from sglang_hybrid.parallel.sparse_cp import gather_rows
+from sglang_hybrid.parallel.sparse_cp import gather_rows, request_rows
 from sglang_hybrid.parallel.zigzag import ZigzagPlan, zigzag_plan
 from sglang_hybrid.reference.model import GoldenModel, SequenceCache
 
@@ -68,14 +68,10 @@ class ZigzagGolden(GoldenModel):
 
     def _sparse_history(self, p, lcs, new, q, q_index, index_weights, positions):
         full = [gather_rows(t, self.plan, self.group) for t in new]  # every rank's rows, batch order
-        tokens = self.plan.rank_tokens[dist.get_rank(self.group)]
         out = q.new_empty(q.shape[:2] + (self.config.v_head_dim,))
-        start = 0
-        for lc, n in zip(lcs, self.lengths):
+        for lc, (start, n, mine) in zip(lcs, request_rows(self.plan, self.lengths, dist.get_rank(self.group))):
             for chunks, rows in zip((lc.latent, lc.rope_key, lc.index_key), full):
                 chunks.append(rows[start:start + n])
-            mine = ((tokens >= start) & (tokens < start + n)).nonzero().flatten()  # this rank's rows of it
             if mine.numel():
                 out[mine] = self._select_attend(p, lc, q[mine], q_index[mine], index_weights[mine], positions[mine])
-            start += n
         return out

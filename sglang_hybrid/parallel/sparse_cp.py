@@ -31,6 +31,16 @@ def gather_rows(local: torch.Tensor, plan: ZigzagPlan, group=None) -> torch.Tens
     return plan.restore([p[: t.numel()] for p, t in zip(parts, plan.rank_tokens)])
 
 
+def request_rows(plan: ZigzagPlan, lengths: list[int], rank: int):
+    """Per request: (its first index in the batch's new tokens, its length, the indices of
+    this rank's rows holding it)."""
+    tokens = plan.rank_tokens[rank]
+    start = 0
+    for n in lengths:
+        yield start, n, ((tokens >= start) & (tokens < start + n)).nonzero().flatten()
+        start += n
+
+
 def sparse_layer_cp(index_q, index_w, index_k, q, k, v, plan: ZigzagPlan, lengths: list[int], topk: int,
                     scale: float, prefixes: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None,
                     group=None) -> torch.Tensor:
@@ -40,17 +50,13 @@ def sparse_layer_cp(index_q, index_w, index_k, q, k, v, plan: ZigzagPlan, length
     rank = dist.get_rank(group)
     full = [gather_rows(x, plan, group) for x in (index_k, k, v)]
     positions = plan.rank_positions[rank]
-    tokens = plan.rank_tokens[rank]
     out = v.new_empty(v.shape)
-    start = 0
-    for i, n in enumerate(lengths):
+    for i, (start, n, mine) in enumerate(request_rows(plan, lengths, rank)):
         history = [x[start:start + n] for x in full]
         if prefixes and prefixes[i] is not None:
             history = [torch.cat([p, h]) for p, h in zip(prefixes[i], history)]
-        mine = ((tokens >= start) & (tokens < start + n)).nonzero().flatten()  # this rank's rows of request i
         if mine.numel():
             scores = indexer_scores(index_q[mine], index_w[mine], history[0], positions[mine])
             selected = topk_positions(scores, topk)
             out[mine] = sparse_attention(q[mine], history[1], history[2], selected, scale)
-        start += n
     return out
