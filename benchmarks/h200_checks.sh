@@ -46,7 +46,9 @@ part() {
     radix-tiny) run radix-tiny 280 tests/test_radix_snapshots.py \
                   tests/test_gpu.py::test_kda_extend_kernels_fp32_against_reference --preset tiny ;;
     kda-fp32) run kda-fp32 300 tests/test_gpu.py::test_kda_extend_kernels_fp32_against_reference ;;
-    radix-small) run radix-small 280 tests/test_radix_snapshots.py --preset small ;;
+    # Not the eviction workload: on small, one of its 48 requests leaves the golden model by
+    # more than the fp32 margin with or without the cache (radix-replay; gpu_correctness_h200.md).
+    radix-small) run radix-small 280 tests/test_radix_snapshots.py -k "not eviction" --preset small ;;
     # The eviction workload again (small), then each of its prompts cold on a server without the cache.
     radix-replay) run radix-replay 200 tests/test_radix_snapshots.py -k eviction --preset small
                   python3 -m sglang_hybrid.cli make-checkpoint --preset small --out /tmp/ckpt-small-replay > /dev/null
