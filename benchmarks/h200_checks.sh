@@ -71,6 +71,13 @@ part() {
                     --out "$OUT/prefix-reuse-bench/prefix_reuse.json" --load-format dummy --context-length 40000 \
                     --mem-fraction-static 0.9 > "$OUT/prefix-reuse-bench/log.txt" 2>&1
                   echo "prefix-reuse-bench: rc=$?"; tail -16 "$OUT/prefix-reuse-bench/log.txt" | cut -c1-300 ;;
+    # Multi-turn chat with shared system prompts (SGLang's bench_serving), radix cache on vs off, small bf16.
+    multi-turn) mkdir -p "$OUT/multi-turn"
+                python3 -m sglang_hybrid.cli make-checkpoint --preset small --out /tmp/ckpt-small-mt > /dev/null
+                timeout 540 python3 benchmarks/multi_turn_cache.py --model-path /tmp/ckpt-small-mt \
+                  --out "$OUT/multi-turn/multi_turn_cache.json" --mem-fraction-static 0.25 \
+                  > "$OUT/multi-turn/log.txt" 2>&1
+                echo "multi-turn: rc=$?"; tail -30 "$OUT/multi-turn/log.txt" | cut -c1-200 ;;
     small-bf16) run small-bf16 290 tests/test_gpu.py::test_bf16_statistically_tracks_golden --preset small ;;
     # 300 s: the bench server takes ~95 s to start and its first request compiles the kernels.
     bench) run bench 300 tests/test_gpu.py::test_bench_preset_dummy_weights_answers ;;
