@@ -168,6 +168,7 @@ def _build_kv_pool(original, configurator, *, max_total_num_tokens, req_to_token
         index_group=mc.hf_config.index_mxfp8_group,
         kv_tile=_fp8_latent_tile(mc.hf_config, configurator.kv_cache_dtype),
     )
+    _report_snapshot_memory(req_to_token_pool.mamba_pool, full_pool)
     return HybridLinearKVPool(
         size=max_total_num_tokens,
         dtype=configurator.kv_cache_dtype,
@@ -185,6 +186,17 @@ def _build_kv_pool(original, configurator, *, max_total_num_tokens, req_to_token
         start_layer=info.start_layer,
         full_kv_pool=full_pool,
     )
+
+
+def _report_snapshot_memory(mamba_pool, kv_pool) -> None:
+    """What one radix-cache snapshot (every KDA layer's state and conv window) costs, in
+    bytes and in tokens of the sparse layers' cache, and how many the state pool holds."""
+    cache = mamba_pool.mamba_cache
+    per_snapshot = sum(t[:, 0].numel() * t.element_size() for t in [*cache.conv, cache.temporal])
+    per_token = kv_pool.get_kv_size_bytes() / (kv_pool.size + kv_pool.page_size)
+    logger.info("sglang-hybrid radix snapshots: %d bytes each (%d KDA layers, state and conv window) = %.0f tokens "
+                "of latent KV + index-K (%d bytes per token); state pool: %d slots", per_snapshot,
+                cache.temporal.shape[0], per_snapshot / per_token, per_token, mamba_pool.size)
 
 
 def _fp8_latent_tile(hf_config, kv_cache_dtype) -> int | None:

@@ -58,6 +58,23 @@ def paged_server(checkpoint, tmp_path_factory):
         srv.stop()
 
 
+def test_server_reports_what_a_snapshot_costs(server, checkpoint):
+    """The server log states one snapshot's bytes (every KDA layer's fp32 state [H, K, K]
+    and conv window [kernel - 1, 3 H K] at the serving dtype, fp32 in these tests)."""
+    import re
+
+    from sglang_hybrid.configs import HybridLinearSparseConfig
+
+    cfg = HybridLinearSparseConfig.from_pretrained(checkpoint)
+    lac = cfg.linear_attn_config
+    H, K, W = lac["num_heads"], lac["head_dim"], lac["short_conv_kernel_size"]
+    want = len(lac["kda_layers"]) * 4 * (H * K * K + (W - 1) * 3 * H * K)
+    m = re.search(r"radix snapshots: (\d+) bytes each \((\d+) KDA layers.*= (\d+) tokens", server.read_log())
+    assert m, "no snapshot size in the server log"
+    assert (int(m[1]), int(m[2])) == (want, len(lac["kda_layers"]))
+    assert int(m[3]) > 0
+
+
 def prefill_snapshots(prompt_len: int, prefill_chunk: int) -> list[int]:
     """Where a cold prefill of prompt_len tokens leaves states: in each prefill chunk
     of at least CHUNK tokens, at its last CHUNK-aligned point (counted from the chunk's start)."""
