@@ -20,6 +20,7 @@ import random
 
 import pytest
 import requests
+import torch
 
 from conftest import GPU_SERVER_ARGS, Server
 
@@ -47,8 +48,6 @@ def _generate(url, input_ids, max_new):
 def paged_server(checkpoint, tmp_path_factory):
     """Pages of 16 tokens, decode snapshots every 64, and pools small enough that a
     workload of a few thousand distinct tokens must evict prefixes and states."""
-    import torch
-
     log_dir = os.environ.get("SGLANG_HYBRID_TEST_LOGS") or str(tmp_path_factory.mktemp("logs"))
     gpu = GPU_SERVER_ARGS[:GPU_SERVER_ARGS.index("--chunked-prefill-size")] if torch.cuda.is_available() else []
     srv = Server(checkpoint, os.path.join(log_dir, "paged_server.log"), [*gpu, *PAGED_SERVER_ARGS])
