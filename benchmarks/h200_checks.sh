@@ -43,8 +43,7 @@ part() {
     tiny-bf16) run tiny-bf16 260 tests/test_gpu.py::test_bf16_statistically_tracks_golden --preset tiny ;;
     small-e2e) run small-e2e 300 tests/test_engine.py tests/test_server.py --preset small ;;
     # Issue 5: prefix reuse against the golden model (fp32), and the fp32 KDA path's snapshots.
-    radix-tiny) run radix-tiny 280 tests/test_radix_snapshots.py \
-                  tests/test_gpu.py::test_kda_extend_kernels_fp32_against_reference --preset tiny ;;
+    radix-tiny) run radix-tiny 280 tests/test_radix_snapshots.py --preset tiny ;;
     kda-fp32) run kda-fp32 300 tests/test_gpu.py::test_kda_extend_kernels_fp32_against_reference ;;
     # Not the eviction workload: on small, one of its 48 requests leaves the golden model by
     # more than the fp32 margin with or without the cache (radix-replay; gpu_correctness_h200.md).

@@ -15,13 +15,29 @@ and the ratios.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import re
 import subprocess
 import sys
+import tempfile
 
 from prefix_reuse import start_server
+
+
+def bench_env() -> dict:
+    """bench_serving imports HF `datasets` at start-up for datasets this run does not use
+    (MMMU); the air-gapped GPU host lacks it (pyarrow alone outweighs the device bundle), so
+    there the client gets a stand-in whose load_dataset raises."""
+    env = dict(os.environ)
+    if importlib.util.find_spec("datasets") is None:
+        stub = tempfile.mkdtemp(prefix="datasets-stub-")
+        with open(os.path.join(stub, "datasets.py"), "w") as f:
+            f.write("def load_dataset(*a, **k):\n"
+                    "    raise RuntimeError('HF datasets is not installed on this host')\n")
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [stub, env.get("PYTHONPATH")]))
+    return env
 
 
 def bench(args, port: int, out_jsonl: str) -> dict:
@@ -33,7 +49,7 @@ def bench(args, port: int, out_jsonl: str) -> dict:
            "--gsp-num-turns", str(args.turns), "--num-prompts", str(args.groups * args.per_group),
            "--max-concurrency", str(args.concurrency), "--seed", "0", "--cache-report",
            "--output-file", out_jsonl]
-    run = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, env=bench_env())
     print(run.stdout[-3000:], run.stderr[-2000:] if run.returncode else "", flush=True)
     run.check_returncode()
     with open(out_jsonl) as f:
