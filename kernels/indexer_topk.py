@@ -148,7 +148,7 @@ def _indexer_topk_kernel(
 ):
     # One program: up to BLOCK_M consecutive rows of one request, sharing every K tile, over
     # positions [SPLIT_LEN * split, SPLIT_LEN * (split + 1)) of their history.
-    rows = tl.load(block_start_ptr + tl.program_id(0)) + tl.arange(0, BLOCK_M)
+    rows = tl.load(block_start_ptr + tl.program_id(0)).to(tl.int64) + tl.arange(0, BLOCK_M)  # offsets pass 2^31
     live = rows < tl.load(block_end_ptr + tl.program_id(0))
     req = tl.load(row_req_ptr + rows, mask=live, other=0).to(tl.int64)
     req = tl.max(tl.where(live, req, -1), axis=0)  # the block's request

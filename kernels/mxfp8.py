@@ -50,7 +50,7 @@ def dequantize_mxfp8(data: torch.Tensor, scale: torch.Tensor, group: int = 32) -
 @triton.jit
 def _quantize_mxfp8_kernel(x_ptr, dst_ptr, data_ptr, scale_ptr, R, NG, GROUP: tl.constexpr, BLOCK_R: tl.constexpr,
                            BLOCK_G: tl.constexpr, SCATTER: tl.constexpr):
-    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)  # offsets pass 2^31
     groups = tl.program_id(1) * BLOCK_G + tl.arange(0, BLOCK_G)
     cols = tl.arange(0, GROUP)
     rg_mask = (rows[:, None] < R) & (groups[None, :] < NG)  # [BLOCK_R, BLOCK_G]
@@ -63,7 +63,7 @@ def _quantize_mxfp8_kernel(x_ptr, dst_ptr, data_ptr, scale_ptr, R, NG, GROUP: tl
     e = tl.minimum(tl.maximum(e, -127), 127)
     e = tl.where(amax > 0, e, -127)
     inv = ((127 - e) << 23).to(tl.float32, bitcast=True)  # 2^-e from its bits (e <= 121 for finite x)
-    out_rows = rows.to(tl.int64)
+    out_rows = rows
     if SCATTER:  # row r goes to cache slot dst[r]
         out_rows = tl.load(dst_ptr + rows, mask=rows < R, other=0).to(tl.int64)
     out = (out_rows[:, None, None] * NG + groups[None, :, None]) * GROUP + cols[None, None, :]

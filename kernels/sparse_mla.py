@@ -37,8 +37,9 @@ def _sparse_mla_kernel(
     FP8_TILE: tl.constexpr, SPLIT: tl.constexpr,
 ):
     # One query row, heads [BLOCK_H * program_id(1), ...) of it, selected entries
-    # [SPLIT_N * program_id(2), ...) of it.
-    row = tl.program_id(0)
+    # [SPLIT_N * program_id(2), ...) of it. int64: row * stride passes 2^31 past ~29K rows
+    # of 128 heads (a 64K-token prefill crashed with an illegal address).
+    row = tl.program_id(0).to(tl.int64)
     req = tl.load(row_req_ptr + row).to(tl.int64)
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     offs_c = tl.arange(0, BLOCK_C)
