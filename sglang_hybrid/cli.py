@@ -63,7 +63,7 @@ def _make_checkpoint(args: argparse.Namespace, rest: list[str]) -> None:
         raise SystemExit(f"sglang-hybrid make-checkpoint: unknown arguments {rest}")
     from sglang_hybrid.checkpoints.maker import make_checkpoint
 
-    print(make_checkpoint(args.preset, args.out, seed=args.seed))
+    print(make_checkpoint(args.preset, args.out, seed=args.seed, near_bigram=args.near_bigram))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -73,6 +73,9 @@ def main(argv: list[str] | None = None) -> None:
     mk.add_argument("--preset", choices=sorted(PRESETS), required=True)
     mk.add_argument("--out", required=True)
     mk.add_argument("--seed", type=int, default=0)
+    mk.add_argument("--near-bigram", type=float, default=None, metavar="SCALE",
+                    help="a speculative-decoding test model: a bigram model plus SCALE x its layers, whose draft "
+                         "head is the bigram model (agrees always at 0, less often as SCALE grows)")
     mk.set_defaults(func=_make_checkpoint)
     sv = sub.add_parser(
         "serve",

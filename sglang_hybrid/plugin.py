@@ -16,6 +16,10 @@ places SGLang hard-codes per architecture:
 - utils.common.support_triton: no Triton bookkeeping kernels without a GPU.
 - PagedTokenToKVPoolAllocator.alloc_extend / alloc_decode: torch slot arithmetic
   on a CPU (cpu_support.paged_allocator), so pages > 1 serve there too.
+- MambaPool.__init__: on a CPU its speculative-verify scratch goes to the CPU
+  (SGLang writes device="cuda" there).
+- ModelConfig._config_draft_model: a draft worker on our checkpoint builds its
+  draft head (models.hybrid_linear_sparse_nextn), as SGLang does for DeepSeek.
 - arg_groups.overrides.supports_mamba_cache_extra_buffer and
   ServerArgs._validate_mamba_extra_buffer: SGLang lists the architectures whose
   radix cache may snapshot KDA states mid-sequence (extra_buffer) by name and
@@ -27,7 +31,12 @@ from __future__ import annotations
 
 import logging
 
-from sglang_hybrid.configs.hybrid_linear_sparse import ARCHITECTURE, MODEL_TYPE, HybridLinearSparseConfig
+from sglang_hybrid.configs.hybrid_linear_sparse import (
+    ARCHITECTURE,
+    DRAFT_ARCHITECTURE,
+    MODEL_TYPE,
+    HybridLinearSparseConfig,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -38,7 +47,8 @@ _CPU_DEFAULT_BACKENDS = ("intel_amx", "torch_native")
 
 
 def _is_ours(hf_config) -> bool:
-    return ARCHITECTURE in (getattr(hf_config, "architectures", None) or [])
+    """The target model or its draft head."""
+    return bool({ARCHITECTURE, DRAFT_ARCHITECTURE} & set(getattr(hf_config, "architectures", None) or []))
 
 
 def register() -> None:
@@ -50,7 +60,8 @@ def register() -> None:
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
     from sglang.srt.server_args import add_attention_backend_choices
 
-    from sglang_hybrid.cpu_support import paged_allocator
+    from sglang_hybrid import cpu_support
+    from sglang_hybrid.cpu_support import paged_allocator, spec_ops
 
     AutoConfig.register(MODEL_TYPE, HybridLinearSparseConfig, exist_ok=True)
     ModelRegistry.register("sglang_hybrid.models", overwrite=True, strict=True)
@@ -69,6 +80,7 @@ def register() -> None:
 
     hooks = {
         "sglang.srt.configs.model_config.ModelConfig._derive_model_shapes": (_derive_mla_shapes, HookType.AFTER),
+        "sglang.srt.configs.model_config.ModelConfig._config_draft_model": (_draft_architecture, HookType.AFTER),
         "sglang.srt.server_args.ServerArgs._handle_model_specific_adjustments": (_server_defaults, HookType.AFTER),
         "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator._build_hybrid_linear_kv_pool": (
             _build_kv_pool, HookType.AROUND),
@@ -79,6 +91,13 @@ def register() -> None:
             paged_allocator.alloc_extend, HookType.AROUND),
         "sglang.srt.mem_cache.allocator.paged.PagedTokenToKVPoolAllocator.alloc_decode": (
             paged_allocator.alloc_decode, HookType.AROUND),
+        "sglang.srt.mem_cache.memory_pool.MambaPool.__init__": (cpu_support.mamba_pool_on_cpu, HookType.AROUND),
+        "sglang.srt.layers.attention.hybrid_linear_attn_backend.scatter_mamba_states_after_mtp_verify": (
+            spec_ops.scatter_mamba_states_after_verify, HookType.AROUND),
+        "sglang.srt.speculative.draft_utils.DraftBackendFactory.create_decode_backend": (
+            _draft_decode_backend, HookType.AROUND),
+        "sglang.srt.speculative.draft_utils.DraftBackendFactory.create_draft_extend_backend": (
+            _draft_extend_backend, HookType.AROUND),
         "sglang.srt.arg_groups.overrides.supports_mamba_cache_extra_buffer": (_supports_extra_buffer,
                                                                               HookType.AROUND),
         "sglang.srt.server_args.ServerArgs._validate_mamba_extra_buffer": (_validate_extra_buffer, HookType.AROUND),
@@ -97,6 +116,35 @@ def _create_flashmla_attention_backend(model_runner):
     from sglang_hybrid.layers.sparse_mla_backend import SparseMLAAttnBackend
 
     return SparseMLAAttnBackend(model_runner, flashmla=True)
+
+
+def _draft_architecture(result, model_config, *args, **kwargs):
+    """A draft worker on our checkpoint (--speculative-algorithm NEXTN / EAGLE without a
+    separate draft model) builds the checkpoint's draft head, as SGLang does for DeepSeek."""
+    archs = model_config.hf_config.architectures
+    if model_config.is_draft_model and archs and archs[0] == ARCHITECTURE:
+        archs[0] = DRAFT_ARCHITECTURE
+
+
+def _draft_decode_backend(original, factory):
+    """The draft head's steps after the first, each a decode over its own rows."""
+    if not _is_ours(factory.draft_model_runner.model_config.hf_config):
+        return original(factory)
+    if factory.speculative_num_steps <= 1:
+        return None
+    from sglang_hybrid.layers.sparse_mla_backend import SparseMLAMultiStepDraftBackend
+
+    return SparseMLAMultiStepDraftBackend(factory.draft_model_runner, factory.topk, factory.speculative_num_steps)
+
+
+def _draft_extend_backend(original, factory):
+    """The draft head's extend over the target's verified tokens."""
+    if not _is_ours(factory.draft_model_runner.model_config.hf_config):
+        return original(factory)
+    from sglang_hybrid.layers.sparse_mla_backend import SparseMLAAttnBackend
+
+    runner = factory.draft_model_runner
+    return SparseMLAAttnBackend(runner, flashmla=runner.server_args.attention_backend == FLASHMLA_ATTENTION_BACKEND)
 
 
 def _derive_mla_shapes(result, model_config, *args, **kwargs):
@@ -152,7 +200,10 @@ def _build_kv_pool(original, configurator, *, max_total_num_tokens, req_to_token
     from sglang_hybrid.mem_cache.sparse_mla_pool import SparseMLATokenToKVPool
 
     mc, info = configurator.model_config, configurator.layer_info
-    layer_ids = [i for i in mc.hf_config.full_attention_layer_ids if info.start_layer <= i < info.end_layer]
+    if configurator.is_draft_worker:  # the draft head's one sparse layer is layer 0 (SGLang's draft convention)
+        layer_ids = [0]
+    else:
+        layer_ids = [i for i in mc.hf_config.full_attention_layer_ids if info.start_layer <= i < info.end_layer]
     memory_saver = get_exec().features.enable_memory_saver
     full_pool = SparseMLATokenToKVPool(
         size=max_total_num_tokens,
@@ -168,7 +219,8 @@ def _build_kv_pool(original, configurator, *, max_total_num_tokens, req_to_token
         index_group=mc.hf_config.index_mxfp8_group,
         kv_tile=_fp8_latent_tile(mc.hf_config, configurator.kv_cache_dtype),
     )
-    _report_snapshot_memory(req_to_token_pool.mamba_pool, full_pool)
+    if not configurator.is_draft_worker:
+        _report_snapshot_memory(req_to_token_pool.mamba_pool, full_pool)
     return HybridLinearKVPool(
         size=max_total_num_tokens,
         dtype=configurator.kv_cache_dtype,

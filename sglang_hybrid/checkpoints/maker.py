@@ -25,8 +25,10 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 _SHARD_BYTES = 2 << 30
 
 
-def make_checkpoint(preset: str, out_dir: str, seed: int = 0, with_weights: bool | None = None) -> str:
-    """Write the preset's checkpoint into out_dir and return out_dir."""
+def make_checkpoint(preset: str, out_dir: str, seed: int = 0, with_weights: bool | None = None,
+                    near_bigram: float | None = None) -> str:
+    """Write the preset's checkpoint into out_dir and return out_dir. near_bigram: see
+    `near_bigram_weights` (a checkpoint whose draft head agrees with it at a chosen rate)."""
     fields = preset_config(preset)
     tokenizer = train_tokenizer(fields.pop("tokenizer_vocab_size"))
     fields.setdefault("vocab_size", len(tokenizer))
@@ -39,7 +41,10 @@ def make_checkpoint(preset: str, out_dir: str, seed: int = 0, with_weights: bool
         json.dump(fields, f, indent=2)
     if with_weights if with_weights is not None else preset in WITH_WEIGHTS:
         dtype = _DTYPES[fields["torch_dtype"]]
-        _save_sharded({k: v.to(dtype) for k, v in random_weights(config, seed).items()}, out_dir)
+        weights = random_weights(config, seed)
+        if near_bigram is not None:
+            weights = near_bigram_weights(config, weights, near_bigram)
+        _save_sharded({k: v.to(dtype) for k, v in weights.items()}, out_dir)
     return out_dir
 
 
@@ -70,16 +75,15 @@ def random_weights(config: HybridLinearSparseConfig, seed: int) -> dict[str, tor
     w["model.embed_tokens.weight"] = normal((c.vocab_size, D), 1.0)
     lac = c.linear_attn_config
     H, K = lac["num_heads"], lac["head_dim"]
-    for i in range(L):
-        p = f"model.layers.{i}."
+    def decoder_layer(p, kda: bool, moe: bool, attn_res: bool):
         norm(p + "input_layernorm.weight", D)
         norm(p + "post_attention_layernorm.weight", D)
-        if c.attn_res_block_size is not None:
+        if attn_res:
             for s in ("self_attention", "mlp"):
                 norm(p + s + "_res_norm.weight", D)
                 linear(p + s + "_res_proj.weight", 1, D, 2.0)
         a = p + "self_attn."
-        if c.is_kda_layer(i):
+        if kda:
             for n in ("q", "k", "v"):
                 linear(a + n + "_proj.weight", H * K, D)
                 w[a + n + "_conv1d.weight"] = normal((H * K, 1, lac["short_conv_kernel_size"]), 0.5)
@@ -107,7 +111,7 @@ def random_weights(config: HybridLinearSparseConfig, seed: int) -> dict[str, tor
             norm(a + "indexer.k_norm.weight", c.index_head_dim)
             w[a + "indexer.k_norm.bias"] = normal((c.index_head_dim,), 0.1)
             linear(a + "indexer.weights_proj.weight", c.index_n_heads, D)
-        if c.is_moe_layer(i):
+        if moe:
             m = p + "block_sparse_moe."
             linear(m + "gate.weight", c.num_experts, D)
             w[m + "gate.e_score_correction_bias"] = normal((c.num_experts,), 0.1)
@@ -117,12 +121,49 @@ def random_weights(config: HybridLinearSparseConfig, seed: int) -> dict[str, tor
                 mlp(m + "shared_experts.", c.moe_intermediate_size * c.num_shared_experts)
         else:
             mlp(p + "mlp.", c.intermediate_size)
+
+    for i in range(L):
+        decoder_layer(f"model.layers.{i}.", c.is_kda_layer(i), c.is_moe_layer(i), c.attn_res_block_size is not None)
     norm("model.norm.weight", D)
     if c.attn_res_block_size is not None:
         norm("model.output_attn_res_norm.weight", D)
         linear("model.output_attn_res_proj.weight", 1, D, 2.0)
     if not c.tie_word_embeddings:
         linear("lm_head.weight", c.vocab_size, D)
+    if c.num_nextn_predict_layers:  # last, so the target's weights do not depend on it
+        p = f"model.layers.{c.draft_layer_id}."
+        norm(p + "enorm.weight", D)
+        norm(p + "hnorm.weight", D)
+        linear(p + "eh_proj.weight", D, 2 * D)
+        decoder_layer(p, kda=False, moe=c.is_moe, attn_res=False)
+        norm(p + "shared_head.norm.weight", D)
+    return w
+
+
+# Every write into the residual stream: token mixers' output projections and FFN down projections.
+_RESIDUAL_WRITES = ("self_attn.o_proj.weight", "down_proj.weight", ".w2.weight")
+
+
+def near_bigram_weights(config: HybridLinearSparseConfig, weights: dict[str, torch.Tensor],
+                        scale: float) -> dict[str, torch.Tensor]:
+    """A speculative-decoding test model: the target is a bigram model (logits from the
+    current token's embedding alone) plus `scale` times everything its layers write into
+    the residual stream, and so is the draft head (eh_proj passes the token's normed
+    embedding through, shared_head.norm is the final norm, its own layer is scaled the
+    same way). At scale 0 the draft always agrees with the target; the larger the scale,
+    the more often the layers (the target's KDA states and sparse attention, the head's
+    own sparse layer over its cache) change a choice and a draft is rejected. Every layer
+    still runs and carries its state."""
+    if not config.num_nextn_predict_layers:
+        raise ValueError("near_bigram needs a draft head: the preset's num_nextn_predict_layers is 0")
+    D, draft = config.hidden_size, f"model.layers.{config.draft_layer_id}."
+    w = dict(weights)
+    for name, t in weights.items():
+        if name.endswith(_RESIDUAL_WRITES):
+            w[name] = t * scale
+    w[draft + "enorm.weight"] = torch.ones(D)
+    w[draft + "eh_proj.weight"] = torch.cat([torch.eye(D), torch.zeros(D, D)], dim=1)
+    w[draft + "shared_head.norm.weight"] = weights["model.norm.weight"].clone()
     return w
 
 

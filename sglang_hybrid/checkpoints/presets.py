@@ -69,6 +69,7 @@ PRESETS: dict[str, dict] = {
         first_k_dense_replace=1,
         num_expert_group=2,
         topk_group=1,
+        num_nextn_predict_layers=1,
     ),
     "small": dict(
         _COMMON,
@@ -100,6 +101,7 @@ PRESETS: dict[str, dict] = {
         first_k_dense_replace=1,
         num_expert_group=4,
         topk_group=2,
+        num_nextn_predict_layers=1,
     ),
     "bench": dict(
         _COMMON,
@@ -133,6 +135,7 @@ PRESETS: dict[str, dict] = {
         first_k_dense_replace=1,
         num_expert_group=1,
         topk_group=1,
+        num_nextn_predict_layers=1,
     ),
 }
 

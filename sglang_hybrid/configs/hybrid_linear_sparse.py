@@ -352,6 +352,24 @@ class HybridLinearSparseConfig(PretrainedConfig):
         if self.num_nextn_predict_layers not in (0, 1):
             raise ConfigError("num_nextn_predict_layers", f"must be 0 or 1, got {self.num_nextn_predict_layers!r}")
 
+    @property
+    def draft_layer_id(self) -> int:
+        """The draft head's layer in the checkpoint: model.layers.{num_hidden_layers}.* (DeepSeek-V3's MTP names)."""
+        return self.num_hidden_layers
+
+    def draft_head_config(self) -> "HybridLinearSparseConfig":
+        """The draft head's decoder layer as layer 0 of a one-layer model: a sparse MLA layer,
+        MoE when the model has experts, on a plain residual stream. Layer 0 because SGLang
+        gives a draft worker one full-attention layer with that id."""
+        import copy
+
+        c = copy.deepcopy(self)
+        c.num_hidden_layers = 1
+        c.linear_attn_config = dict(c.linear_attn_config, kda_layers=[], full_attn_layers=[1])
+        c.first_k_dense_replace, c.moe_layer_freq = 0, 1
+        c.attn_res_block_size = None
+        return c
+
     def validate_parallel(self, tp_size: int) -> None:
         """Head counts that tensor parallelism splits must divide by the TP size."""
         for field, value in (

@@ -5,7 +5,9 @@ at module level, so every SGLang process needs a stand-in `sgl_kernel` before th
 first SGLang import. `activate()` installs it in this process and, through
 `site/sitecustomize.py` on PYTHONPATH, in every process SGLang spawns. Names are
 only looked up at import time; calling any of them raises, so a CPU path that
-wrongly reached a CUDA kernel fails loudly instead of computing garbage.
+wrongly reached a CUDA kernel fails loudly instead of computing garbage. The
+exceptions are the CPU ops of SGLang's speculative decoding (spec_ops), which
+are given in plain Python.
 
 On a host with a GPU, `activate()` does nothing.
 """
@@ -74,6 +76,10 @@ class _StubModule(types.ModuleType):
     def __getattr__(self, attr: str):
         if attr.startswith("__"):
             raise AttributeError(attr)
+        from sglang_hybrid.cpu_support.spec_ops import CPU_OPS
+
+        if self.__name__ == "sgl_kernel" and attr in CPU_OPS:
+            return CPU_OPS[attr]
         return _Missing(f"{self.__name__}.{attr}")
 
 
@@ -127,3 +133,25 @@ def _unpinned_host_memory() -> None:
     make_tensor = torch.tensor
     torch.tensor = tensor
     torch.Tensor.pin_memory = lambda self, *args, **kwargs: self
+
+
+def mamba_pool_on_cpu(original, pool, *args, device: str, **kwargs):
+    """SGLang's state pool allocates the speculative-verify scratch (each draft step's state
+    and conv window) with device="cuda" written out; on a CPU server those go to the CPU.
+    Scoped to the pool's constructor."""
+    import torch
+
+    if device != "cpu":
+        return original(pool, *args, device=device, **kwargs)
+    zeros = torch.zeros
+
+    def zeros_here(*a, **k):
+        if k.get("device") == "cuda":
+            k["device"] = "cpu"
+        return zeros(*a, **k)
+
+    torch.zeros = zeros_here
+    try:
+        return original(pool, *args, device=device, **kwargs)
+    finally:
+        torch.zeros = zeros

@@ -128,7 +128,7 @@ class TorchKDAAttnBackend(MambaAttnBackendBase):
 
     def forward_extend(self, layer, forward_batch: ForwardBatch, mixed_qkv=None, a=None, b=None, **kwargs):
         if forward_batch.forward_mode.is_target_verify():
-            raise NotImplementedError("speculative verify is not implemented on the CPU KDA path")
+            return self._verify(layer, forward_batch, mixed_qkv, a, b)
         slots = self.forward_metadata.mamba_cache_indices.tolist()
         starts = self.forward_metadata.query_start_loc.tolist()
         prefix_lens = forward_batch.extend_prefix_lens_cpu
@@ -140,14 +140,54 @@ class TorchKDAAttnBackend(MambaAttnBackendBase):
     def forward_decode(self, layer, forward_batch: ForwardBatch, mixed_qkv=None, a=None, b=None, **kwargs):
         slots = self.forward_metadata.mamba_cache_indices.tolist()
         T = mixed_qkv.shape[0]
-        g = ops.kda_gate(a.float().reshape(T, layer.num_v_heads, layer.head_k_dim), layer.A_log, layer.dt_bias)
-        beta = b.float().reshape(T, layer.num_v_heads).sigmoid()
+        g, beta = self._decode_gates(layer, a, b, T)
         snapshots = {}
         if forward_batch.mamba_track_mask is not None:  # rows whose length reached a track interval
             dst = self.forward_metadata.mamba_track_indices.tolist()
             snapshots = {i: (1, dst[i]) for i in forward_batch.mamba_track_mask.nonzero().flatten().tolist()}
         out = self._run(layer, mixed_qkv, g, beta, slots, list(range(T + 1)), [True] * T, snapshots)
         return out.unsqueeze(0)
+
+    def _verify(self, layer, forward_batch: ForwardBatch, mixed_qkv, a, b):
+        """Target verify of a chain draft: each request's draft tokens run on from its
+        state, and the state and conv window after every step go to SGLang's per-step
+        scratch (batch row i, step j). The request's own slot is left as it was: after
+        acceptance SGLang copies the last accepted step's pair there
+        (cpu_support.spec_ops.scatter_mamba_states_after_verify)."""
+        if forward_batch.spec_info.ragged_verify_layout is not None:
+            raise NotImplementedError("ragged verify layouts are not implemented on the CPU KDA path")
+        slots = self.forward_metadata.mamba_cache_indices.tolist()
+        T, n = mixed_qkv.shape[0], forward_batch.spec_info.draft_token_num
+        g, beta = self._decode_gates(layer, a, b, T)
+        cache = self.req_to_token_pool.mamba2_layer_cache(layer.layer_id)
+        conv_pool, state_pool = cache.conv[0], cache.temporal
+        step_windows, step_states = cache.intermediate_conv_window[0], cache.intermediate_ssm
+        out = mixed_qkv.new_empty(T, layer.num_v_heads, layer.head_v_dim)
+        for i, slot in enumerate(slots[: T // n]):
+            if slot < 0:  # padded row
+                continue
+            window, state = conv_pool[slot].float(), state_pool[slot].float().transpose(-1, -2)
+            for j, t in enumerate(range(i * n, (i + 1) * n)):
+                out[t], window, state = self._advance(layer, mixed_qkv[t : t + 1], g[t : t + 1], beta[t : t + 1],
+                                                      window, state)
+                step_windows[i, j] = window.to(step_windows.dtype)
+                step_states[i, j] = state.transpose(-1, -2).to(step_states.dtype)
+        return out.unsqueeze(0)
+
+    @staticmethod
+    def _decode_gates(layer, a, b, T):
+        """Decode and verify hand over raw gate projections: the decay gate and beta."""
+        g = ops.kda_gate(a.float().reshape(T, layer.num_v_heads, layer.head_k_dim), layer.A_log, layer.dt_bias)
+        return g, b.float().reshape(T, layer.num_v_heads).sigmoid()
+
+    @staticmethod
+    def _advance(layer, mixed_qkv, g, beta, window, state):
+        """Tokens through the short conv and the recurrence: (outputs, window, state)."""
+        H, K = layer.num_v_heads, layer.head_k_dim
+        qkv, window = ops.short_causal_conv(mixed_qkv.float(), window, layer.conv_weights.float())
+        q, k, v = qkv.reshape(-1, 3, H, K).unbind(1)
+        o, state = ops.kda_recurrence(ops.l2norm(q) * K**-0.5, ops.l2norm(k), v, g, beta, state)
+        return o, window, state
 
     def _extend_snapshots(self, forward_batch, prefix_lens) -> dict[int, tuple[int, int]]:
         """{row: (tokens of this extend before the snapshot, track slot)}, as SGLang's
@@ -165,7 +205,6 @@ class TorchKDAAttnBackend(MambaAttnBackendBase):
         cache = self.req_to_token_pool.mamba2_layer_cache(layer.layer_id)
         conv_pool, state_pool = cache.conv[0], cache.temporal  # [N, W-1, 3P], [N, H, V, K]
         H, K, V = layer.num_v_heads, layer.head_k_dim, layer.head_v_dim
-        conv_w = layer.conv_weights.float()
         out = mixed_qkv.new_empty(mixed_qkv.shape[0], H, V)
         for i, slot in enumerate(slots):
             s, e = starts[i], starts[i + 1]
@@ -176,9 +215,7 @@ class TorchKDAAttnBackend(MambaAttnBackendBase):
             segments = [(s + snapshots[i][0], snapshots[i][1])] if i in snapshots else []
             for end, dst in segments + [(e, slot)]:
                 if end > s:
-                    qkv, window = ops.short_causal_conv(mixed_qkv[s:end].float(), window, conv_w)
-                    q, k, v = qkv.reshape(end - s, 3, H, K).unbind(1)
-                    o, state = ops.kda_recurrence(ops.l2norm(q) * K**-0.5, ops.l2norm(k), v, g[s:end], beta[s:end], state)
+                    o, window, state = self._advance(layer, mixed_qkv[s:end], g[s:end], beta[s:end], window, state)
                     out[s:end] = o.to(out.dtype)
                     s = end
                 conv_pool[dst] = window.to(conv_pool.dtype)

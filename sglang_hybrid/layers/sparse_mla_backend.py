@@ -87,14 +87,38 @@ class SparseMLAAttnBackend(AttentionBackend):
                        index_q, index_q_scale, index_k, index_weights, **kwargs):
         mode = forward_batch.forward_mode
         if mode.is_target_verify() or mode.is_draft_extend_v2():
-            raise NotImplementedError(f"speculative decoding ({mode.name}) is not supported by the sparse MLA backend yet")
-        row_req = torch.repeat_interleave(forward_batch.req_pool_indices, forward_batch.extend_seq_lens,
-                                          output_size=q.shape[0])
+            # The same number of rows per request (the draft chain), each at its own position.
+            row_req = forward_batch.req_pool_indices.repeat_interleave(q.shape[0] // forward_batch.batch_size)
+        else:
+            row_req = torch.repeat_interleave(forward_batch.req_pool_indices, forward_batch.extend_seq_lens,
+                                              output_size=q.shape[0])
         options = {"block_m": _EXTEND_ROW_BLOCK} if self.select is indexer_topk.indexer_topk else {}
         return self._forward(q, k, v, layer, forward_batch, save_kv_cache, index_q, index_q_scale, index_k,
                              index_weights, row_req, forward_batch.positions + 1, **options)
 
     def forward_decode(self, q, k, v, layer, forward_batch: ForwardBatch, save_kv_cache=True, *,
                        index_q, index_q_scale, index_k, index_weights, **kwargs):
+        # A row sees every position up to its own: the sequence in a decode step (seq_lens),
+        # the prefix and the steps so far in the draft head's later steps.
         return self._forward(q, k, v, layer, forward_batch, save_kv_cache, index_q, index_q_scale, index_k,
-                             index_weights, forward_batch.req_pool_indices, forward_batch.seq_lens)
+                             index_weights, forward_batch.req_pool_indices, forward_batch.positions + 1)
+
+
+class SparseMLAMultiStepDraftBackend:
+    """The draft head's decode steps after its first (SGLang's multi-step draft backend
+    interface: one backend per step). A chain draft (--speculative-eagle-topk 1) writes
+    step i of a request at position seq_len + i, its slot the one SGLang reserved there in
+    req_to_token, so each step is a plain decode over positions + 1 rows of history."""
+
+    def __init__(self, model_runner, topk: int, speculative_num_steps: int):
+        if topk != 1:
+            raise NotImplementedError(
+                "the sparse MLA draft head drafts chains only: use --speculative-eagle-topk 1 "
+                f"(got {topk}); tree drafts need the indexer to see each branch's own path")
+        self.attn_backends = [SparseMLAAttnBackend(model_runner) for _ in range(speculative_num_steps - 1)]
+
+    def init_forward_metadata(self, forward_batch: ForwardBatch):
+        pass
+
+    def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int):
+        pass

@@ -242,7 +242,8 @@ class HybridLinearSparseForCausalLM(nn.Module):
         )
         loaded: set[str] = set()
         for name, tensor in weights:
-            if self.config.tie_word_embeddings and name == "lm_head.weight":
+            name = self.param_name(name)
+            if name is None:
                 continue
             for param_name, ckpt_name, shard in self._STACKED:
                 if ckpt_name in name and ".experts." not in name:
@@ -262,17 +263,33 @@ class HybridLinearSparseForCausalLM(nn.Module):
                         raise KeyError(f"checkpoint tensor {name!r} has no parameter in {type(self).__name__}")
                     getattr(params[name], "weight_loader", default_weight_loader)(params[name], tensor)
             loaded.add(name)
-        missing = sorted(set(params) - loaded)
+        missing = sorted(set(params) - loaded - self.params_from_target())
         if missing:
             raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:5]}")
         self.post_load_weights()
         return loaded
 
+    def param_name(self, name: str) -> str | None:
+        """The parameter a checkpoint tensor loads into; None for tensors this model does not hold."""
+        if self.config.tie_word_embeddings and name == "lm_head.weight":
+            return None
+        if name.startswith(f"model.layers.{self.config.draft_layer_id}."):
+            return None  # the draft head's layer (models.hybrid_linear_sparse_nextn)
+        return name
+
+    def params_from_target(self) -> set[str]:
+        """Parameters set from another model rather than loaded (the draft head's embedding and LM head)."""
+        return set()
+
     def post_load_weights(self):
         """Derive the absorbed MLA weights; the dummy loader calls this too."""
-        for layer in self.model.layers:
-            if isinstance(layer.self_attn, SparseMLAMixer):
-                layer.self_attn.absorb_kv_b()
+        for module in self.modules():
+            if isinstance(module, SparseMLAMixer):
+                module.absorb_kv_b()
+
+    def get_embed_and_head(self):
+        """For SGLang's EAGLE worker, which hands them to the draft head."""
+        return self.model.embed_tokens.weight, self.lm_head.weight
 
 
 EntryClass = HybridLinearSparseForCausalLM

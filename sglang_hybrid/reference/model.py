@@ -83,12 +83,17 @@ class GoldenModel:
         return logits
 
     def _forward(self, input_ids, positions, cache):
-        x = self.w["model.embed_tokens.weight"][torch.tensor(input_ids, dtype=torch.long, device=self.device)]
+        return self._hidden(input_ids, positions, cache) @ self._lm_head().T
+
+    def _hidden(self, input_ids, positions, cache):
+        """The final hidden states [T, D]: what the LM head reads, and what the draft head is given."""
+        x = self._embed(input_ids)
         if self.config.attn_res_block_size is None:
-            h = self._residual_stream(x, positions, cache)
-        else:
-            h = self._attn_res_stream(x, positions, cache)
-        return h @ self._lm_head().T
+            return self._residual_stream(x, positions, cache)
+        return self._attn_res_stream(x, positions, cache)
+
+    def _embed(self, input_ids):
+        return self.w["model.embed_tokens.weight"][torch.tensor(input_ids, dtype=torch.long, device=self.device)]
 
     def with_weights_rounded_to(self, dtype: torch.dtype) -> "GoldenModel":
         """The same model on weights rounded to `dtype` (what a server at that dtype holds),
@@ -114,6 +119,55 @@ class GoldenModel:
                 break
             logits = self.forward([nxt], cache)
         return out
+
+    # -------------------------------------------------------------- draft head
+    @torch.no_grad()
+    def draft(self, input_ids: list[int], hidden: torch.Tensor, cache: MLACache, start: int):
+        """The MTP draft head over positions start.. (models.hybrid_linear_sparse_nextn): row t
+        takes token x_{t+1} and hidden h_t and predicts x_{t+2}. Returns (logits [T, vocab],
+        its own final hidden [T, D], which a later draft step takes as h); `cache` is the head's
+        sparse-layer cache, appended to."""
+        c, w, eps = self.config, self.w, self.config.rms_norm_eps
+        p, L = f"model.layers.{c.draft_layer_id}.", c.draft_layer_id
+        positions = torch.arange(start, start + len(input_ids), device=self.device)
+        x = torch.cat([ops.rms_norm(self._embed(input_ids), w[p + "enorm.weight"], eps),
+                       ops.rms_norm(hidden, w[p + "hnorm.weight"], eps)], dim=-1) @ w[p + "eh_proj.weight"].T
+        x = x + self._sparse_mla(L, ops.rms_norm(x, w[p + "input_layernorm.weight"], eps), positions, cache)
+        x = x + self._ffn(L, ops.rms_norm(x, w[p + "post_attention_layernorm.weight"], eps), moe=c.is_moe)
+        h = ops.rms_norm(x, w[p + "shared_head.norm.weight"], eps)
+        return h @ self._lm_head().T, h
+
+    @torch.no_grad()
+    def speculative_generate(self, input_ids: list[int], max_new_tokens: int, num_steps: int):
+        """Greedy EAGLE chain decoding with the draft head, as SGLang runs it: the head drafts
+        num_steps tokens (its first from the last verified position, the rest from its own
+        hidden), the target verifies them in one pass, the longest agreeing prefix plus the
+        target's next token is kept, and the head's cache is rebuilt over the kept positions
+        from the target's hidden states. Returns (tokens, accepted drafts per verify): the
+        tokens equal `generate`'s; the counts say what a correct draft head achieves."""
+        cache, draft_cache = self.new_cache(), MLACache()
+        seq = list(input_ids)
+        hidden = self._hidden(seq, torch.arange(len(seq), device=self.device), cache)
+        cache.length = len(seq)
+        seq.append(int(torch.argmax(hidden[-1] @ self._lm_head().T)))
+        logits, h = self.draft(seq[1:], hidden, draft_cache, 0)
+        accepted: list[int] = []
+        while len(seq) - len(input_ids) < max_new_tokens:
+            n = len(seq) - 1  # target positions processed; seq[n] is the token to verify from
+            drafts, step_cache = [int(torch.argmax(logits[-1]))], _copy_mla(draft_cache)
+            for i in range(1, num_steps):
+                logits_i, h = self.draft([drafts[-1]], h[-1:], step_cache, n + i)
+                drafts.append(int(torch.argmax(logits_i[-1])))
+            verify_cache = _copy_cache(cache)
+            predicted = torch.argmax(self.forward([seq[n], *drafts], verify_cache), dim=-1).tolist()
+            m = next((j for j, d in enumerate(drafts) if d != predicted[j]), num_steps)
+            accepted.append(m)
+            kept = [seq[n], *drafts[:m]]
+            hidden = self._hidden(kept, torch.arange(n, n + m + 1, device=self.device), cache)
+            cache.length += m + 1
+            seq += drafts[:m] + [predicted[m]]
+            logits, h = self.draft(seq[n + 1 :], hidden, draft_cache, n)
+        return seq[len(input_ids) :][:max_new_tokens], accepted
 
     # ---------------------------------------------------------- residual streams
     def _residual_stream(self, x, positions, cache):
@@ -264,9 +318,9 @@ class GoldenModel:
         return ops.topk_positions(scores, self.config.index_topk)
 
     # --------------------------------------------------------------------- FFN
-    def _ffn(self, i, x):
+    def _ffn(self, i, x, moe: bool | None = None):
         c, w = self.config, self.w
-        if not c.is_moe_layer(i):
+        if not (c.is_moe_layer(i) if moe is None else moe):
             p = f"model.layers.{i}.mlp."
             return ops.silu_mlp(x, w[p + "gate_proj.weight"], w[p + "up_proj.weight"], w[p + "down_proj.weight"])
         p = f"model.layers.{i}.block_sparse_moe."
@@ -289,6 +343,16 @@ class GoldenModel:
             q = p + "shared_experts."
             out = out + ops.silu_mlp(x, w[q + "gate_proj.weight"], w[q + "up_proj.weight"], w[q + "down_proj.weight"])
         return out
+
+
+def _copy_mla(lc: MLACache) -> MLACache:
+    """A cache to append to without touching lc (its tensors are never modified in place)."""
+    return MLACache(list(lc.latent), list(lc.rope_key), list(lc.index_key))
+
+
+def _copy_cache(cache: SequenceCache) -> SequenceCache:
+    layers = [_copy_mla(lc) if isinstance(lc, MLACache) else KDACache(lc.conv, lc.state) for lc in cache.layers]
+    return SequenceCache(layers, cache.length)
 
 
 def load(checkpoint_dir: str, dtype: torch.dtype = torch.float32, device="cpu") -> GoldenModel:

@@ -1,0 +1,121 @@
+"""Speculative decoding with the checkpoint's draft head (SGLang's EAGLE worker, chain
+drafts), served and checked against the golden model.
+
+Two things are checked per request. Its greedy continuation equals the golden model's
+(speculation never changes outputs: a verify that kept a wrong KDA state or a rejected
+token's cache would). And every verify accepted exactly as many drafts as the golden
+EAGLE loop (`GoldenModel.speculative_generate`) accepts: the draft head's proposals
+depend on its sparse layer over its own cache, its extend over the verified tokens
+and its later steps from its own hidden state, so this only holds if all of them
+compute what the golden head computes.
+
+The checkpoints are near-bigram models (checkpoints.maker.near_bigram_weights): target
+and draft head are one bigram model plus `scale` times their layers. At 0.3 the draft
+agrees now and then (mixed acceptance within one batch); at 0 it always agrees. The
+tiny preset's random draft head almost never agrees.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+from collections import Counter
+
+import pytest
+import requests
+import torch
+
+from conftest import GPU_SERVER_ARGS, Server
+
+pytestmark = pytest.mark.slow
+
+NEW_TOKENS = 24
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16], [20, 21, 22, 23, 24, 25, 26],
+           [100 + 7 * i % 1900 for i in range(150)], [3, 1999, 4, 1500, 77]]
+EXACT = not torch.cuda.is_available()  # CPU serves with the golden model's arithmetic
+
+
+def _spec_args(steps: int) -> list[str]:
+    return ["--speculative-algorithm", "NEXTN", "--speculative-num-steps", str(steps),
+            "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", str(steps + 1)]
+
+
+def _checkpoint(tmp_path_factory, name, near_bigram=None):
+    from sglang_hybrid.checkpoints.maker import make_checkpoint
+    from sglang_hybrid.reference import load
+
+    path = make_checkpoint("tiny", str(tmp_path_factory.mktemp(name)), seed=0, near_bigram=near_bigram)
+    return path, load(path, device="cuda" if torch.cuda.is_available() else "cpu")
+
+
+@pytest.fixture(scope="module")
+def spec_server(tmp_path_factory):
+    """Start a server on a checkpoint with speculative arguments; stopped at the end."""
+    log_dir = os.environ.get("SGLANG_HYBRID_TEST_LOGS") or str(tmp_path_factory.mktemp("logs"))
+    servers = []
+
+    def start(checkpoint, steps, name):
+        extra = GPU_SERVER_ARGS if torch.cuda.is_available() else []
+        srv = Server(checkpoint, os.path.join(log_dir, f"spec_{name}_server.log"), [*extra, *_spec_args(steps)])
+        servers.append(srv)
+        return srv.wait_ready()
+
+    try:
+        yield start
+    finally:
+        for srv in servers:
+            srv.stop()
+
+
+def _generate_all(url, prompts):
+    def one(ids):
+        body = {"input_ids": ids, "sampling_params": {"max_new_tokens": NEW_TOKENS, "temperature": 0,
+                                                      "ignore_eos": True}}
+        r = requests.post(url + "/generate", json=body, timeout=600)
+        r.raise_for_status()
+        return r.json()
+
+    with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:  # one batch, mixed acceptance
+        return list(pool.map(one, prompts))
+
+
+def _check_against_golden(golden, results, steps):
+    """Tokens equal to the golden model's; accepted drafts per verify as in the golden EAGLE loop."""
+    accepted_total = proposed_total = 0
+    for ids, res in zip(PROMPTS, results):
+        tokens, accepted = golden.speculative_generate(ids, NEW_TOKENS, steps)
+        assert tokens == golden.generate(ids, NEW_TOKENS)  # the golden loop itself is exact
+        meta = res["meta_info"]
+        assert res["output_ids"] == tokens, f"prompt of {len(ids)} tokens"
+        histogram = Counter(accepted)
+        expected = [histogram.get(i, 0) for i in range(steps + 1)]
+        served = meta["spec_accept_histogram"] + [0] * (steps + 1 - len(meta["spec_accept_histogram"]))
+        if EXACT:
+            assert served == expected, f"prompt of {len(ids)} tokens: accepted drafts per verify"
+        accepted_total += meta["spec_accepted_drafts"]
+        proposed_total += meta["spec_proposed_drafts"]
+    return accepted_total / proposed_total
+
+
+@pytest.mark.parametrize("steps", [2, 3])
+def test_mixed_acceptance_equals_golden(spec_server, tmp_path_factory, steps):
+    checkpoint, golden = _checkpoint(tmp_path_factory, f"near_bigram_{steps}", near_bigram=0.3)
+    srv = spec_server(checkpoint, steps, f"near_bigram_{steps}")
+    rate = _check_against_golden(golden, _generate_all(srv.url, PROMPTS), steps)
+    assert 0.1 < rate < 0.9, f"acceptance {rate:.2f}: the checkpoint no longer gives mixed acceptance"
+    # Speculation after a prefix reuse: the longest prompt again, from the radix cache.
+    again = _generate_all(srv.url, [PROMPTS[2]])[0]
+    assert again["meta_info"]["cached_tokens"] >= 64
+    assert again["output_ids"] == golden.generate(PROMPTS[2], NEW_TOKENS)
+
+
+def test_perfect_draft_accepts_everything(spec_server, tmp_path_factory):
+    checkpoint, golden = _checkpoint(tmp_path_factory, "bigram", near_bigram=0.0)
+    srv = spec_server(checkpoint, 3, "bigram")
+    assert _check_against_golden(golden, _generate_all(srv.url, PROMPTS), 3) == 1.0
+
+
+def test_random_draft_head_changes_nothing(spec_server, checkpoint, golden):
+    srv = spec_server(checkpoint, 2, "random_head")
+    rate = _check_against_golden(golden, _generate_all(srv.url, PROMPTS), 2)
+    assert rate < 0.1, f"a random draft head agreed {rate:.2f} of the time"
