@@ -44,6 +44,8 @@ part() {
     small-e2e) run small-e2e 300 tests/test_engine.py tests/test_server.py --preset small ;;
     # Issue 5: prefix reuse against the golden model (fp32), and the fp32 KDA path's snapshots.
     radix-tiny) run radix-tiny 280 tests/test_radix_snapshots.py --preset tiny ;;
+    # Issue 6: speculative decoding (draft head, chain drafts, CUDA graphs) against the golden model.
+    spec-tiny) run spec-tiny 330 tests/test_speculative.py --preset tiny ;;
     kda-fp32) run kda-fp32 300 tests/test_gpu.py::test_kda_extend_kernels_fp32_against_reference ;;
     # Not the eviction workload: on small, one of its 48 requests leaves the golden model by
     # more than the fp32 margin with or without the cache (radix-replay; gpu_correctness_h200.md).

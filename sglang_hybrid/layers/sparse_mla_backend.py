@@ -104,21 +104,21 @@ class SparseMLAAttnBackend(AttentionBackend):
                              index_weights, forward_batch.req_pool_indices, forward_batch.positions + 1)
 
 
-class SparseMLAMultiStepDraftBackend:
+class SparseMLAMultiStepDraftBackend(AttentionBackend):
     """The draft head's decode steps after its first (SGLang's multi-step draft backend
     interface: one backend per step). A chain draft (--speculative-eagle-topk 1) writes
     step i of a request at position seq_len + i, its slot the one SGLang reserved there in
-    req_to_token, so each step is a plain decode over positions + 1 rows of history."""
+    req_to_token, so each step is a plain decode over positions + 1 rows of history. Like
+    the decode step, it needs no metadata beyond the batch's own tensors, so the steps
+    capture in SGLang's draft CUDA graph as they are."""
 
     def __init__(self, model_runner, topk: int, speculative_num_steps: int):
         if topk != 1:
             raise NotImplementedError(
                 "the sparse MLA draft head drafts chains only: use --speculative-eagle-topk 1 "
                 f"(got {topk}); tree drafts need the indexer to see each branch's own path")
+        super().__init__()
         self.attn_backends = [SparseMLAAttnBackend(model_runner) for _ in range(speculative_num_steps - 1)]
-
-    def init_forward_metadata(self, forward_batch: ForwardBatch):
-        pass
 
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int):
         pass
