@@ -43,6 +43,8 @@ indexer_topk_torch is the plain-PyTorch reference of the same interface.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import triton
 import triton.language as tl
@@ -193,12 +195,15 @@ def _indexer_topk_kernel(
     _merge_candidates(buf, part, held, count, offs_2k, NONE, KP, GPU)
 
 
-def _row_blocks(row_req: torch.Tensor, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Blocks of at most block_m consecutive rows of one request: (starts, ends)."""
+def _row_blocks(row_req: torch.Tensor, block_m: int, uniform: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Blocks of at most block_m consecutive rows of one request: (starts, ends). uniform:
+    block_m divides every request's row count, so the blocks are fixed (no data-dependent
+    shapes: the launch captures in a CUDA graph)."""
     R = row_req.shape[0]
+    if block_m == 1 or uniform:
+        starts = torch.arange(0, R, block_m, device=row_req.device)
+        return starts, starts + block_m
     idx = torch.arange(R, device=row_req.device)
-    if block_m == 1:
-        return idx, idx + 1
     new_run = torch.ones(R, dtype=torch.bool, device=row_req.device)
     new_run[1:] = row_req[1:] != row_req[:-1]
     run_start = torch.cummax(torch.where(new_run, idx, 0), 0).values
@@ -244,6 +249,7 @@ def indexer_topk(
     programs: int | None = None,
     num_warps: int = 4,
     num_stages: int = 3,
+    rows_per_request: int | None = None,
 ):
     """Top-K history positions per query row.
 
@@ -264,6 +270,8 @@ def indexer_topk(
     pipelining depth for the tile loads (loading the next tile by hand into registers
     instead measured no faster, run 18). block_s: positions per tile; 128 measured
     fastest on the H200 (run 18), and two such programs still fit on one SM.
+    rows_per_request: every request has this many consecutive rows (speculative verify):
+    row blocks are then fixed, and the launch captures in a CUDA graph like decode's.
     Returns positions [R, topk] int32 (-1 padded), and their fp32 scores if asked.
     """
     R, H, D = q.shape
@@ -291,11 +299,13 @@ def indexer_topk(
     if block_m & (block_m - 1) or block_m < 1:
         raise ValueError(f"block_m must be a power of two, got {block_m}")
     block_m = min(block_m, max(1, 4096 // kp))
+    if rows_per_request:
+        block_m = math.gcd(block_m, rows_per_request)
     idx = torch.empty(R, topk, dtype=torch.int32, device=q.device)
     scores = torch.empty(R, topk, dtype=torch.float32, device=q.device)
     if R:
         weights = weights.float()
-        starts, ends = _row_blocks(row_req, block_m)
+        starts, ends = _row_blocks(row_req, block_m, uniform=bool(rows_per_request))
         block_h = max(triton.next_power_of_2(H), 16 // block_m)  # the dot needs N = block_m * block_h >= 16
         if programs is None:
             programs = 2 * torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 1

@@ -65,6 +65,21 @@ def test_exact_inputs_match_reference_including_ties(row_lens, reqs, H, D, topk,
     assert torch.equal(scores.cpu(), ref_scores.cpu())
 
 
+@pytest.mark.parametrize("per_request, block_m", [(4, 4), (3, 4), (6, 4), (1, 2)])
+def test_fixed_rows_per_request_match_reference(per_request, block_m):
+    """Speculative verify: the same number of causal rows for every request, in fixed row
+    blocks (gcd of block_m and the row count) that need no data-dependent shapes."""
+    lens = [40, 90, 17]
+    row_lens = [n + j for n in lens for j in range(per_request)]
+    reqs = [r for r in range(len(lens)) for _ in range(per_request)]
+    args = _case(row_lens, reqs, 4, 16, max(row_lens), integer=True, dtype=torch.float32)
+    idx, scores = indexer_topk(*args, 16, return_scores=True, block_s=16, block_m=block_m,
+                               rows_per_request=per_request)
+    ref_idx, ref_scores = indexer_topk_torch(*args, 16, return_scores=True)
+    assert torch.equal(idx.cpu(), ref_idx.cpu())
+    assert torch.equal(scores.cpu(), ref_scores.cpu())
+
+
 def test_top_300_over_several_merges():
     """K = 300 (KP 512, not a power of two) over histories of several merges, two rows sharing tiles."""
     args = _case([1100, 700], [0, 0], 4, 16, 1100, integer=True, dtype=torch.float32)

@@ -86,13 +86,17 @@ class SparseMLAAttnBackend(AttentionBackend):
     def forward_extend(self, q, k, v, layer, forward_batch: ForwardBatch, save_kv_cache=True, *,
                        index_q, index_q_scale, index_k, index_weights, **kwargs):
         mode = forward_batch.forward_mode
+        options = {"block_m": _EXTEND_ROW_BLOCK} if self.select is indexer_topk.indexer_topk else {}
         if mode.is_target_verify() or mode.is_draft_extend_v2():
-            # The same number of rows per request (the draft chain), each at its own position.
-            row_req = forward_batch.req_pool_indices.repeat_interleave(q.shape[0] // forward_batch.batch_size)
+            # The same number of rows per request (the draft chain), each at its own position;
+            # fixed row blocks, so verify captures in a CUDA graph.
+            per_request = q.shape[0] // forward_batch.batch_size
+            row_req = forward_batch.req_pool_indices.repeat_interleave(per_request)
+            if options:
+                options["rows_per_request"] = per_request
         else:
             row_req = torch.repeat_interleave(forward_batch.req_pool_indices, forward_batch.extend_seq_lens,
                                               output_size=q.shape[0])
-        options = {"block_m": _EXTEND_ROW_BLOCK} if self.select is indexer_topk.indexer_topk else {}
         return self._forward(q, k, v, layer, forward_batch, save_kv_cache, index_q, index_q_scale, index_k,
                              index_weights, row_req, forward_batch.positions + 1, **options)
 
