@@ -18,7 +18,9 @@ tiny preset's random draft head almost never agrees.
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import os
+import re
 from collections import Counter
 
 import pytest
@@ -54,9 +56,9 @@ def spec_server(tmp_path_factory):
     log_dir = os.environ.get("SGLANG_HYBRID_TEST_LOGS") or str(tmp_path_factory.mktemp("logs"))
     servers = []
 
-    def start(checkpoint, steps, name):
-        extra = GPU_SERVER_ARGS if torch.cuda.is_available() else []
-        srv = Server(checkpoint, os.path.join(log_dir, f"spec_{name}_server.log"), [*extra, *_spec_args(steps)])
+    def start(checkpoint, steps, name, extra=()):
+        gpu = GPU_SERVER_ARGS if torch.cuda.is_available() else []
+        srv = Server(checkpoint, os.path.join(log_dir, f"spec_{name}_server.log"), [*gpu, *_spec_args(steps), *extra])
         servers.append(srv)
         return srv.wait_ready()
 
@@ -109,13 +111,42 @@ def test_mixed_acceptance_equals_golden(spec_server, tmp_path_factory, steps):
     assert again["output_ids"] == golden.generate(PROMPTS[2], NEW_TOKENS)
 
 
-def test_perfect_draft_accepts_everything(spec_server, tmp_path_factory):
+def _adaptive_args(tmp_path_factory) -> list[str]:
+    """SGLang's acceptance monitor (--speculative-adaptive): an EMA of accepted drafts per
+    verify picks the draft length among 0 (plain decoding), 1 and 3, re-decided every 2
+    verifies after 2, with its hysteresis; its metrics on /metrics."""
+    tiers = {"candidate_steps": [0, 1, 3], "warmup_batches": 2, "update_interval": 2}
+    path = tmp_path_factory.mktemp("adaptive") / "adaptive.json"
+    path.write_text(json.dumps({"1": tiers, "8": tiers}))
+    return ["--speculative-adaptive", "--speculative-adaptive-config", str(path), "--enable-metrics",
+            "--decode-log-interval", "1"]  # the gauges follow every verify
+
+
+def _gauge(url, name) -> float:
+    text = requests.get(url + "/metrics", timeout=30).text
+    return float(re.search(rf"^{name}{{[^}}]*}} (\S+)$", text, re.M)[1])
+
+
+def test_perfect_draft_accepts_everything_and_keeps_its_length(spec_server, tmp_path_factory):
     checkpoint, golden = _checkpoint(tmp_path_factory, "bigram", near_bigram=0.0)
-    srv = spec_server(checkpoint, 3, "bigram")
+    srv = spec_server(checkpoint, 3, "bigram", _adaptive_args(tmp_path_factory))
     assert _check_against_golden(golden, _generate_all(srv.url, PROMPTS), 3) == 1.0
+    assert "Adaptive spec params updated: steps 3 ->" not in srv.read_log()
+    assert _gauge(srv.url, "sglang:spec_num_steps") == 3
+    assert _gauge(srv.url, "sglang:spec_accept_rate") == 1.0
 
 
 def test_random_draft_head_changes_nothing(spec_server, checkpoint, golden):
     srv = spec_server(checkpoint, 2, "random_head")
     rate = _check_against_golden(golden, _generate_all(srv.url, PROMPTS), 2)
     assert rate < 0.1, f"a random draft head agreed {rate:.2f} of the time"
+
+
+def test_low_acceptance_falls_back_to_plain_decoding(spec_server, checkpoint, golden, tmp_path_factory):
+    """The random head: the monitor drops to plain decoding (and probes a short draft
+    again now and then); the switches never change a token."""
+    srv = spec_server(checkpoint, 3, "random_head_adaptive", _adaptive_args(tmp_path_factory))
+    for ids, res in zip(PROMPTS, _generate_all(srv.url, PROMPTS)):
+        assert res["output_ids"] == golden.generate(ids, NEW_TOKENS), f"prompt of {len(ids)} tokens"
+    assert "Adaptive spec params updated: steps 3 -> 0" in srv.read_log()
+    assert _gauge(srv.url, "sglang:spec_accept_rate") < 0.1
