@@ -185,6 +185,11 @@ def _server_defaults(result, server_args, *args, **kwargs):
     if server_args.enable_prefill_cp or (server_args.attn_cp_size or 1) > 1:
         raise ValueError(f"{ARCHITECTURE} does not serve context-parallel prefill yet (--enable-prefill-cp, "
                          f"--attn-cp-size {server_args.attn_cp_size}); run without them")
+    # The draft head's sparse layer and the CPU verify follow a chain; tree drafts would
+    # need the indexer to score each branch's own path (issue 6).
+    if server_args.speculative_algorithm and (server_args.speculative_eagle_topk or 1) > 1:
+        raise ValueError(f"{ARCHITECTURE} drafts chains only: --speculative-eagle-topk must be 1, "
+                         f"got {server_args.speculative_eagle_topk}")
     # The sparse layer's indexer is eager Python for now; decode graphs are captured.
     if (Phase.PREFILL, "backend") not in server_args._cuda_graph_config_locked:
         server_args.cuda_graph_config.prefill.backend = Backend.DISABLED

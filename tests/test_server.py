@@ -204,6 +204,8 @@ def test_logprobs_match_golden(server, golden, tolerance):
      "runs only on --attention-backend hybrid_linear_sparse or hybrid_linear_sparse_flashmla"),
     (["--attention-backend", "hybrid_linear_sparse_flashmla"], "FlashMLA sparse attention needs a Hopper or newer GPU"),
     (["--enable-prefill-cp", "--cp-strategy", "zigzag"], "does not serve context-parallel prefill yet"),
+    (["--speculative-algorithm", "NEXTN", "--speculative-num-steps", "2", "--speculative-eagle-topk", "2",
+      "--speculative-num-draft-tokens", "4"], "drafts chains only: --speculative-eagle-topk must be 1"),
 ])
 def test_unservable_arguments_stop_the_server_with_their_reason(checkpoint, tmp_path, args, reason):
     srv = Server(checkpoint, str(tmp_path / "server.log"), args)
