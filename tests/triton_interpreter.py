@@ -52,9 +52,12 @@ def prepare() -> None:
             importlib.import_module(f"sglang_hybrid.kernels.{module.name}")
 
 
-def import_kernels(name: str):
+def import_kernels(name: str, reload: bool = False):
+    """The module with its kernels defined for the interpreter; reload: define them again
+    (a module outside this project may have been imported before, in the default mode)."""
     with _interpreting():
-        return importlib.import_module(name)
+        module = importlib.import_module(name)
+        return importlib.reload(module) if reload else module
 
 
 @pytest.fixture
