@@ -134,7 +134,9 @@ def _draft_decode_backend(original, factory):
         return None
     from sglang_hybrid.layers.sparse_mla_backend import SparseMLAMultiStepDraftBackend
 
-    return SparseMLAMultiStepDraftBackend(factory.draft_model_runner, factory.topk, factory.speculative_num_steps)
+    runner = factory.draft_model_runner
+    return SparseMLAMultiStepDraftBackend(runner, factory.topk, factory.speculative_num_steps,
+                                          flashmla=_uses_flashmla(runner))
 
 
 def _draft_extend_backend(original, factory):
@@ -144,7 +146,12 @@ def _draft_extend_backend(original, factory):
     from sglang_hybrid.layers.sparse_mla_backend import SparseMLAAttnBackend
 
     runner = factory.draft_model_runner
-    return SparseMLAAttnBackend(runner, flashmla=runner.server_args.attention_backend == FLASHMLA_ATTENTION_BACKEND)
+    return SparseMLAAttnBackend(runner, flashmla=_uses_flashmla(runner))
+
+
+def _uses_flashmla(runner) -> bool:
+    """The draft head attends with the kernel the target's sparse layers use."""
+    return runner.server_args.attention_backend == FLASHMLA_ATTENTION_BACKEND
 
 
 def _derive_mla_shapes(result, model_config, *args, **kwargs):

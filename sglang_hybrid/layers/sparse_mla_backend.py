@@ -116,13 +116,13 @@ class SparseMLAMultiStepDraftBackend(AttentionBackend):
     the decode step, it needs no metadata beyond the batch's own tensors, so the steps
     capture in SGLang's draft CUDA graph as they are."""
 
-    def __init__(self, model_runner, topk: int, speculative_num_steps: int):
+    def __init__(self, model_runner, topk: int, speculative_num_steps: int, flashmla: bool = False):
         if topk != 1:
             raise NotImplementedError(
                 "the sparse MLA draft head drafts chains only: use --speculative-eagle-topk 1 "
                 f"(got {topk}); tree drafts need the indexer to see each branch's own path")
         super().__init__()
-        self.attn_backends = [SparseMLAAttnBackend(model_runner) for _ in range(speculative_num_steps - 1)]
+        self.attn_backends = [SparseMLAAttnBackend(model_runner, flashmla) for _ in range(speculative_num_steps - 1)]
 
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int):
         pass
