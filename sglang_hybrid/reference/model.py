@@ -76,11 +76,15 @@ class GoldenModel:
     @torch.no_grad()
     def forward(self, input_ids: list[int], cache: SequenceCache | None = None) -> torch.Tensor:
         """Logits [T, vocab] for the new tokens, continuing the sequence in `cache`."""
-        cache = cache if cache is not None else self.new_cache()
+        return self.hidden(input_ids, cache if cache is not None else self.new_cache()) @ self._lm_head().T
+
+    @torch.no_grad()
+    def hidden(self, input_ids: list[int], cache: SequenceCache) -> torch.Tensor:
+        """Final hidden states [T, D] for the new tokens, continuing the sequence in `cache`."""
         positions = torch.arange(cache.length, cache.length + len(input_ids), device=self.device)
-        logits = self._forward(input_ids, positions, cache)
+        h = self._hidden(input_ids, positions, cache)
         cache.length += len(input_ids)
-        return logits
+        return h
 
     def _forward(self, input_ids, positions, cache):
         return self._hidden(input_ids, positions, cache) @ self._lm_head().T
@@ -147,8 +151,7 @@ class GoldenModel:
         tokens equal `generate`'s; the counts say what a correct draft head achieves."""
         cache, draft_cache = self.new_cache(), MLACache()
         seq = list(input_ids)
-        hidden = self._hidden(seq, torch.arange(len(seq), device=self.device), cache)
-        cache.length = len(seq)
+        hidden = self.hidden(seq, cache)
         seq.append(int(torch.argmax(hidden[-1] @ self._lm_head().T)))
         logits, h = self.draft(seq[1:], hidden, draft_cache, 0)
         accepted: list[int] = []
@@ -163,8 +166,7 @@ class GoldenModel:
             m = next((j for j, d in enumerate(drafts) if d != predicted[j]), num_steps)
             accepted.append(m)
             kept = [seq[n], *drafts[:m]]
-            hidden = self._hidden(kept, torch.arange(n, n + m + 1, device=self.device), cache)
-            cache.length += m + 1
+            hidden = self.hidden(kept, cache)
             seq += drafts[:m] + [predicted[m]]
             logits, h = self.draft(seq[n + 1 :], hidden, draft_cache, n)
         return seq[len(input_ids) :][:max_new_tokens], accepted
