@@ -45,7 +45,15 @@ part() {
     # Issue 5: prefix reuse against the golden model (fp32), and the fp32 KDA path's snapshots.
     radix-tiny) run radix-tiny 280 tests/test_radix_snapshots.py --preset tiny ;;
     # Issue 6: speculative decoding (draft head, chain drafts, CUDA graphs) against the golden model.
-    spec-tiny) run spec-tiny 330 tests/test_speculative.py --preset tiny ;;
+    spec-tiny) run spec-tiny 250 tests/test_speculative.py -k "mixed or perfect" --preset tiny ;;
+    spec-tiny-random) run spec-tiny-random 200 tests/test_speculative.py -k "random or low_acceptance" --preset tiny ;;
+    # Decode speedup by acceptance (near-bigram scale) and draft length, cycle cost, rollback copy; small, bf16.
+    spec-bench) mkdir -p "$OUT/spec-bench"
+                timeout 450 python3 benchmarks/speculative_decode.py --preset small --out "$OUT/spec-bench/spec.json" \
+                  --scales 0.003 0.02 0.05 \
+                  --mem-fraction-static 0.06 --cuda-graph-max-bs 8 --max-running-requests 8 --sleep-on-idle \
+                  > "$OUT/spec-bench/log.txt" 2>&1
+                echo "spec-bench: rc=$?"; tail -20 "$OUT/spec-bench/log.txt" | cut -c1-200 ;;
     kda-fp32) run kda-fp32 300 tests/test_gpu.py::test_kda_extend_kernels_fp32_against_reference ;;
     # Not the eviction workload: on small, one of its 48 requests leaves the golden model by
     # more than the fp32 margin with or without the cache (radix-replay; gpu_correctness_h200.md).

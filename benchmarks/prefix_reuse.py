@@ -28,8 +28,9 @@ import requests
 
 
 def start_server(model_path: str, port: int, extra: list[str], log_path: str) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", model_path, "--port", str(port),
-           "--host", "127.0.0.1", *extra]
+    from sglang_hybrid.cli import launch_server_argv  # SGLang's own launch_server (+ CPU defaults without a GPU)
+
+    cmd = launch_server_argv(["--model-path", model_path, "--port", str(port), "--host", "127.0.0.1", *extra])
     proc = subprocess.Popen(cmd, stdout=open(log_path, "w"), stderr=subprocess.STDOUT, start_new_session=True)
     deadline = time.time() + 600
     while time.time() < deadline:

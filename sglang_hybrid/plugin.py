@@ -16,6 +16,8 @@ places SGLang hard-codes per architecture:
 - utils.common.support_triton: no Triton bookkeeping kernels without a GPU.
 - PagedTokenToKVPoolAllocator.alloc_extend / alloc_decode: torch slot arithmetic
   on a CPU (cpu_support.paged_allocator), so pages > 1 serve there too.
+- EagleDraftWorker._capture_cuda_graphs: the draft head's extend is captured in a
+  CUDA graph as well (SGLang captures it only for backends on its own list).
 - MambaPool.__init__: on a CPU its speculative-verify scratch goes to the CPU
   (SGLang writes device="cuda" there).
 - ModelConfig._config_draft_model: a draft worker on our checkpoint builds its
@@ -98,6 +100,8 @@ def register() -> None:
             _draft_decode_backend, HookType.AROUND),
         "sglang.srt.speculative.draft_utils.DraftBackendFactory.create_draft_extend_backend": (
             _draft_extend_backend, HookType.AROUND),
+        "sglang.srt.speculative.eagle_worker_v2.EagleDraftWorker._capture_cuda_graphs": (
+            _capture_draft_extend_graph, HookType.AROUND),
         "sglang.srt.arg_groups.overrides.supports_mamba_cache_extra_buffer": (_supports_extra_buffer,
                                                                               HookType.AROUND),
         "sglang.srt.server_args.ServerArgs._validate_mamba_extra_buffer": (_validate_extra_buffer, HookType.AROUND),
@@ -147,6 +151,26 @@ def _draft_extend_backend(original, factory):
 
     runner = factory.draft_model_runner
     return SparseMLAAttnBackend(runner, flashmla=_uses_flashmla(runner))
+
+
+def _capture_draft_extend_graph(original, worker):
+    """SGLang captures the draft head's extend in a CUDA graph only for the backends on its
+    own list. Ours captures as the target's verify does (a fixed number of rows per request,
+    no metadata), so it is captured too; eager, this one-layer forward costs about as many
+    kernel launches as a decode step of a small model."""
+    original(worker)
+    from sglang.srt.environ import envs
+    from sglang.srt.speculative import eagle_worker_v2 as v2
+
+    from sglang_hybrid.layers.sparse_mla_backend import SparseMLAAttnBackend
+
+    if (worker.cuda_graph_runner_for_draft_extend is None
+            and type(worker.draft_extend_attn_backend) is SparseMLAAttnBackend
+            and worker.target_worker.device == "cuda"
+            and not v2.check_cuda_graph_backend(v2.Phase.DECODE, v2.Backend.DISABLED)
+            and not envs.SGLANG_DISABLE_DRAFT_EXTEND_CUDA_GRAPH.get()):
+        logger.info("Capture draft extend CUDA graph (sparse MLA draft head)")
+        worker.cuda_graph_runner_for_draft_extend = v2.EAGLEDraftExtendCudaGraphRunner(worker)
 
 
 def _uses_flashmla(runner) -> bool:
