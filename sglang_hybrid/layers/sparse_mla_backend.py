@@ -32,10 +32,13 @@ _EXTEND_ROW_BLOCK = 4
 
 
 class SparseMLAAttnBackend(AttentionBackend):
-    needs_cpu_seq_lens = True
-
     def __init__(self, model_runner, flashmla: bool = False):
         super().__init__()
+        # Rows read their history length from positions on the device, never from host
+        # copies of seq_lens. Saying so spares SGLang's overlap scheduler a wait on the GPU
+        # before every speculative step (its FutureMap otherwise pulls seq_lens to the host
+        # behind the last verify). The CPU serves without overlap and keeps the host copy.
+        self.needs_cpu_seq_lens = not str(model_runner.device).startswith("cuda")
         self.topk = model_runner.model_config.hf_config.index_topk
         self.req_to_token_pool = model_runner.req_to_token_pool  # the hybrid wrapper reads it
         self.req_to_token = model_runner.req_to_token_pool.req_to_token
@@ -123,6 +126,7 @@ class SparseMLAMultiStepDraftBackend(AttentionBackend):
                 f"(got {topk}); tree drafts need the indexer to see each branch's own path")
         super().__init__()
         self.attn_backends = [SparseMLAAttnBackend(model_runner, flashmla) for _ in range(speculative_num_steps - 1)]
+        self.needs_cpu_seq_lens = not str(model_runner.device).startswith("cuda")  # as the steps' backends
 
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int):
         pass
