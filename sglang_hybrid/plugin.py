@@ -14,8 +14,9 @@ places SGLang hard-codes per architecture:
 - KVCacheConfigurator._build_hybrid_linear_kv_pool: MLA pool + index-K cache.
 - DefaultPoolConfigurator._compute_cell_size: count index-K bytes per token.
 - utils.common.support_triton: no Triton bookkeeping kernels without a GPU.
-- PagedTokenToKVPoolAllocator.alloc_extend / alloc_decode: torch slot arithmetic
-  on a CPU (cpu_support.paged_allocator), so pages > 1 serve there too.
+- PagedTokenToKVPoolAllocator.alloc_extend / alloc_decode, allocation.get_last_loc:
+  torch slot arithmetic on a CPU (cpu_support.paged_allocator), so pages > 1 serve
+  there too, speculative steps included.
 - EagleDraftWorker._capture_cuda_graphs: the draft head's extend is captured in a
   CUDA graph as well (SGLang captures it only for backends on its own list).
 - MambaPool.__init__: on a CPU its speculative-verify scratch goes to the CPU
@@ -93,6 +94,7 @@ def register() -> None:
             paged_allocator.alloc_extend, HookType.AROUND),
         "sglang.srt.mem_cache.allocator.paged.PagedTokenToKVPoolAllocator.alloc_decode": (
             paged_allocator.alloc_decode, HookType.AROUND),
+        "sglang.srt.mem_cache.allocation.get_last_loc": (paged_allocator.get_last_loc, HookType.AROUND),
         "sglang.srt.mem_cache.memory_pool.MambaPool.__init__": (cpu_support.mamba_pool_on_cpu, HookType.AROUND),
         "sglang.srt.layers.attention.hybrid_linear_attn_backend.scatter_mamba_states_after_mtp_verify": (
             spec_ops.scatter_mamba_states_after_verify, HookType.AROUND),

@@ -69,9 +69,9 @@ def spec_server(tmp_path_factory):
             srv.stop()
 
 
-def _generate_all(url, prompts):
+def _generate_all(url, prompts, new_tokens=NEW_TOKENS):
     def one(ids):
-        body = {"input_ids": ids, "sampling_params": {"max_new_tokens": NEW_TOKENS, "temperature": 0,
+        body = {"input_ids": ids, "sampling_params": {"max_new_tokens": new_tokens, "temperature": 0,
                                                       "ignore_eos": True}}
         r = requests.post(url + "/generate", json=body, timeout=600)
         r.raise_for_status()
@@ -150,3 +150,23 @@ def test_low_acceptance_falls_back_to_plain_decoding(spec_server, checkpoint, go
         assert res["output_ids"] == golden.generate(ids, NEW_TOKENS), f"prompt of {len(ids)} tokens"
     assert "Adaptive spec params updated: steps 3 -> 0" in srv.read_log()
     assert _gauge(srv.url, "sglang:spec_accept_rate") < 0.1
+
+
+def test_decode_snapshots_under_speculation_hold_committed_tokens_only(spec_server, tmp_path_factory):
+    """Prefix reuse after speculative decoding: with decode snapshots every 64 tokens, the
+    verify whose accepted tokens cross 256 leaves the state at exactly 256 in the radix cache
+    (the accepted step's, from SGLang's per-step scratch; never a rejected draft's). The next
+    turn resumes there and still equals the golden model."""
+    from test_radix_snapshots import PAGED_SERVER_ARGS
+
+    checkpoint, golden = _checkpoint(tmp_path_factory, "near_bigram_track", near_bigram=0.3)
+    srv = spec_server(checkpoint, 3, "near_bigram_track", PAGED_SERVER_ARGS)
+    prompt = [100 + 7 * i % 1900 for i in range(200)]
+    first = _generate_all(srv.url, [prompt], 64)[0]
+    meta = first["meta_info"]
+    assert 0 < meta["spec_accepted_drafts"] < meta["spec_proposed_drafts"], "wants partial acceptance"
+    assert first["output_ids"] == golden.generate(prompt, 64)
+    turn2 = prompt + first["output_ids"] + [5, 6, 7, 8, 9]
+    second = _generate_all(srv.url, [turn2])[0]
+    assert second["meta_info"]["cached_tokens"] == 256
+    assert second["output_ids"] == golden.generate(turn2, NEW_TOKENS)

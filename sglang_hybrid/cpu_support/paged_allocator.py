@@ -1,7 +1,8 @@
 """SGLang's paged KV allocator on a CPU: its slot arithmetic is a Triton kernel, which
 needs a GPU. These are the same two allocations in torch (SGLang's own
 `alloc_extend_naive`, the one its NPU allocator uses, and the decode rule beside it);
-plugin.py routes PagedTokenToKVPoolAllocator to them when the pool lives on the CPU.
+plugin.py routes PagedTokenToKVPoolAllocator to them when the pool lives on the CPU, and
+the last-slot lookup before a speculative step's allocation to SGLang's torch rule.
 """
 
 from __future__ import annotations
@@ -42,3 +43,12 @@ def alloc_decode(original, self, seq_lens, seq_lens_cpu, last_loc):
     out[starts_page] = self.free_pages[:num_new_pages] * self.page_size
     self.free_pages = self.free_pages[num_new_pages:]
     return out
+
+
+def get_last_loc(original, req_to_token, req_pool_indices, prefix_lens):
+    """Each request's last slot before prefix_lens (-1 where there is none)."""
+    if req_to_token.is_cuda:
+        return original(req_to_token, req_pool_indices, prefix_lens)
+    from sglang.srt.mem_cache.allocation import get_last_loc_torch
+
+    return get_last_loc_torch(req_to_token, req_pool_indices, prefix_lens)
