@@ -223,6 +223,12 @@ def _server_defaults(result, server_args, *args, **kwargs):
     if server_args.speculative_algorithm and (server_args.speculative_eagle_topk or 1) > 1:
         raise ValueError(f"{ARCHITECTURE} drafts chains only: --speculative-eagle-topk must be 1, "
                          f"got {server_args.speculative_eagle_topk}")
+    # SGLang's standalone mode runs a second full model as the draft on the target's request
+    # and state pools; a hybrid draft needs KDA state slots of its own, which it would not get.
+    if (server_args.speculative_algorithm or "").upper() == "STANDALONE":
+        raise ValueError(f"{ARCHITECTURE} does not serve SGLang's standalone draft-model mode yet "
+                         "(--speculative-algorithm STANDALONE); --speculative-algorithm NEXTN drafts with "
+                         "the checkpoint's own draft head")
     # The sparse layer's indexer is eager Python for now; decode graphs are captured.
     if (Phase.PREFILL, "backend") not in server_args._cuda_graph_config_locked:
         server_args.cuda_graph_config.prefill.backend = Backend.DISABLED

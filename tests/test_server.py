@@ -206,9 +206,12 @@ def test_logprobs_match_golden(server, golden, tolerance):
     (["--enable-prefill-cp", "--cp-strategy", "zigzag"], "does not serve context-parallel prefill yet"),
     (["--speculative-algorithm", "NEXTN", "--speculative-num-steps", "2", "--speculative-eagle-topk", "2",
       "--speculative-num-draft-tokens", "4"], "drafts chains only: --speculative-eagle-topk must be 1"),
+    (["--speculative-algorithm", "STANDALONE", "--speculative-draft-model-path", "{checkpoint}",
+      "--speculative-num-steps", "2", "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "3"],
+     "does not serve SGLang's standalone draft-model mode yet"),
 ])
 def test_unservable_arguments_stop_the_server_with_their_reason(checkpoint, tmp_path, args, reason):
-    srv = Server(checkpoint, str(tmp_path / "server.log"), args)
+    srv = Server(checkpoint, str(tmp_path / "server.log"), [a.format(checkpoint=checkpoint) for a in args])
     try:
         with pytest.raises(RuntimeError, match="server exited"):
             srv.wait_ready(timeout=300)
