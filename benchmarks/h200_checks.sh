@@ -54,6 +54,14 @@ part() {
                   --mem-fraction-static 0.06 --cuda-graph-max-bs 8 --max-running-requests 8 --sleep-on-idle \
                   > "$OUT/spec-bench/log.txt" 2>&1
                 echo "spec-bench: rc=$?"; tail -20 "$OUT/spec-bench/log.txt" | cut -c1-200 ;;
+    # Where a draft-verify cycle's time goes: GPU busy time per step against wall time, top kernels.
+    spec-profile) mkdir -p "$OUT/spec-profile"
+                timeout 300 python3 benchmarks/speculative_decode.py --preset small --out "$OUT/spec-profile/spec.json" \
+                  --scales 0.003 --steps 2 4 --batch-sizes 1 8 --profile --rollback-batch-sizes 1 \
+                  --mem-fraction-static 0.06 --cuda-graph-max-bs 8 --max-running-requests 8 --sleep-on-idle \
+                  > "$OUT/spec-profile/log.txt" 2>&1
+                echo "spec-profile: rc=$?"; grep -v '^{"config' "$OUT/spec-profile/log.txt" | tail -12 | cut -c1-200
+                grep '"gpu_busy' "$OUT/spec-profile/log.txt" | cut -c1-400 ;;
     kda-fp32) run kda-fp32 300 tests/test_gpu.py::test_kda_extend_kernels_fp32_against_reference ;;
     # Not the eviction workload: on small, one of its 48 requests leaves the golden model by
     # more than the fp32 margin with or without the cache (radix-replay; gpu_correctness_h200.md).

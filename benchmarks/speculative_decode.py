@@ -18,6 +18,12 @@ every KDA layer) from the per-step scratch into its slot (its Triton gather-scat
 `scatter_mamba_states_after_mtp_verify`, which this model uses unchanged on the GPU). Timed at
 the --rollback-preset's dims against a device copy of the same bytes.
 
+With --profile, each server then runs --profile-steps scheduler steps (a decode step, or one
+draft-verify cycle) at batch 1 under SGLang's torch profiler (/start_profile); from the trace
+come the GPU's busy time per step (kernels and copies, overlaps merged) against the wall time
+per step, and the kernels that take the most of it: whether a cycle waits on the GPU or on
+the host.
+
 The servers start --parallel-starts at a time (each takes --mem-fraction-static of the GPU) and
 are then timed one at a time while the others sit idle (give them --sleep-on-idle: an idle scheduler otherwise
 polls a CPU core at 100%, and the timed server's launches need the CPU).
@@ -94,6 +100,46 @@ def rollback_cost(preset: str, batch_sizes: list[int], draft_tokens: int) -> lis
     return rows
 
 
+def gpu_time_per_step(trace_dir: str, steps: int) -> dict:
+    """GPU busy time per scheduler step from a torch-profiler trace: kernel, memcpy and memset
+    intervals merged, against the span from the first to the last of them."""
+    import glob
+    import gzip
+
+    paths = sorted(glob.glob(os.path.join(trace_dir, "*.trace.json.gz")))
+    if not paths:
+        return {"error": f"no trace in {trace_dir}"}
+    with gzip.open(paths[-1], "rt") as f:
+        events = json.load(f).get("traceEvents", [])
+    gpu = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e]
+    if not gpu:
+        return {"error": "no GPU events in the trace"}
+    spans = sorted((float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in gpu)
+    busy, end = 0.0, spans[0][0]
+    for a, b in spans:
+        busy += max(0.0, b - max(a, end))
+        end = max(end, b)
+    per_kernel: dict[str, float] = {}
+    for e in gpu:
+        per_kernel[e["name"]] = per_kernel.get(e["name"], 0.0) + float(e["dur"])
+    top = sorted(per_kernel.items(), key=lambda kv: -kv[1])[:12]
+    span = end - spans[0][0]
+    return {"steps": steps, "gpu_busy_ms_per_step": busy / steps / 1e3, "span_ms_per_step": span / steps / 1e3,
+            "gpu_busy_fraction": busy / span, "launches_per_step": len(gpu) / steps,
+            "top_kernels_ms_per_step": {name[:120]: t / steps / 1e3 for name, t in top}}
+
+
+def profile_steps(url: str, out_dir: str, steps: int, prompt_len: int) -> dict:
+    requests.post(url + "/start_profile", json={"output_dir": out_dir, "num_steps": steps,
+                                                "activities": ["CPU", "GPU"]}, timeout=60).raise_for_status()
+    decode_run(url, 1, steps * 8, prompt_len, seed=12345)  # enough steps whatever the acceptance
+    deadline = time.time() + 120  # the trace is written after the last profiled step
+    while time.time() < deadline and not any(n.endswith(".trace.json.gz") for n in os.listdir(out_dir)):
+        time.sleep(1)
+    time.sleep(2)
+    return gpu_time_per_step(out_dir, steps)
+
+
 def decode_run(url: str, batch: int, new_tokens: int, prompt_len: int, seed: int) -> dict:
     rng = random.Random(seed)
     prompts = [[rng.randrange(100, 1900) for _ in range(prompt_len)] for _ in range(batch)]
@@ -129,6 +175,8 @@ def main():
     ap.add_argument("--rollback-preset", default="bench")
     ap.add_argument("--rollback-batch-sizes", type=int, nargs="+", default=[1, 8, 32, 64])
     ap.add_argument("--parallel-starts", type=int, default=5)
+    ap.add_argument("--profile", action="store_true", help="also profile --profile-steps steps per server")
+    ap.add_argument("--profile-steps", type=int, default=20)
     ap.add_argument("--workdir", default="/tmp/spec-bench")
     ap.add_argument("--port", type=int, default=31700)
     ap.add_argument("--out", required=True)
@@ -163,7 +211,7 @@ def main():
     # one server's allocations do not starve another's.
     with concurrent.futures.ThreadPoolExecutor(args.parallel_starts) as pool:
         procs = list(pool.map(launch, range(len(configs))))
-    rows = []
+    rows, profiles = [], []
     try:
         for i, (name, scale, steps) in enumerate(configs):
             if procs[i] is None:
@@ -175,6 +223,12 @@ def main():
                        **decode_run(url, batch, args.new_tokens, args.prompt_len, seed=batch)}
                 rows.append(row)
                 print(json.dumps(row), flush=True)
+            if args.profile:
+                trace_dir = os.path.join(log_dir, f"profile_{i}")
+                os.makedirs(trace_dir, exist_ok=True)
+                profiles.append({"config": name, **profile_steps(url, trace_dir, args.profile_steps,
+                                                                 args.prompt_len)})
+                print(json.dumps(profiles[-1]), flush=True)
             procs[i].terminate()
     finally:
         for p in filter(None, procs):
@@ -190,6 +244,7 @@ def main():
         if r["steps"]:
             r["cycle_over_decode_step"] = (r["wall_s"] / r["verifies"]) / (base["wall_s"] / args.new_tokens)
     result["decode"] = rows
+    result["profiles"] = profiles
     print(f"{'config':<24}{'batch':>6}{'tok/s':>9}{'speedup':>9}{'accept':>8}{'tok/verify':>11}{'cycle/step':>11}")
     for r in rows:
         print(f"{r['config']:<24}{r['batch']:>6}{r['tokens_per_s']:>9.1f}{r.get('speedup', float('nan')):>9.2f}"
