@@ -34,6 +34,10 @@ A program serves up to block_m consecutive rows of one request (the rows of a pr
 chunk or of a verify step): each K tile is loaded once for all of them, one dot gives
 every row's logits, and the rows keep their running Top-Ks side by side.
 
+Rows of a speculative draft tree (tree=) see the positions before their draft tail and,
+of the draft tokens after it, only their own path (a bitmask per row, up to 64 drafts):
+siblings never score each other.
+
 MXFP8 (q and the index-K cache as e4m3 with e8m0 scales per group, kernels.mxfp8):
 both are dequantized on load; e4m3 x 2^e is exact in bf16, so the dot and the
 selection equal the reference run on the dequantized tensors.
@@ -74,9 +78,11 @@ def _e8m0(byte):
 
 @triton.jit
 def _tile_keys(s0, n, n_max, req, q, w, table_ptr, k_ptr, ks_ptr, stride_table, stride_k, stride_ks, offs_d,
+               tail0, tail_bits,
                NONE: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr,
-               BLOCK_S: tl.constexpr, GROUP: tl.constexpr, DOT_DTYPE: tl.constexpr):
-    """Keys [BLOCK_M, BLOCK_S] of positions s0 .. s0 + BLOCK_S for the block's rows (NONE past a row's history)."""
+               BLOCK_S: tl.constexpr, GROUP: tl.constexpr, DOT_DTYPE: tl.constexpr, TREE: tl.constexpr):
+    """Keys [BLOCK_M, BLOCK_S] of positions s0 .. s0 + BLOCK_S for the block's rows (NONE past a row's
+    history, and with TREE at the draft positions from tail0 on whose bit in tail_bits is clear)."""
     pos = s0 + tl.arange(0, BLOCK_S).to(tl.int64)
     seen = pos < n_max
     slot = tl.load(table_ptr + req * stride_table + pos, mask=seen, other=0).to(tl.int64)
@@ -86,7 +92,12 @@ def _tile_keys(s0, n, n_max, req, q, w, table_ptr, k_ptr, ks_ptr, stride_table, 
         k = k.to(tl.float32) * _e8m0(ks)
     logits = tl.reshape(tl.dot(k.to(DOT_DTYPE), tl.trans(q)), [BLOCK_S, BLOCK_M, BLOCK_H])  # fp32
     score = tl.trans(tl.sum(tl.maximum(logits, 0.0) * w[None, :, :], axis=2))  # [BLOCK_M, BLOCK_S]
-    return tl.where(pos[None, :] < n[:, None], _encode(score, pos[None, :]), NONE)
+    visible = pos[None, :] < n[:, None]
+    if TREE:
+        rel = pos[None, :] - tail0[:, None]
+        bit = (tail_bits[:, None] >> tl.minimum(tl.maximum(rel, 0), 63)) & 1
+        visible = visible & ((rel < 0) | (bit != 0))
+    return tl.where(visible, _encode(score, pos[None, :]), NONE)
 
 
 @triton.jit
@@ -142,11 +153,11 @@ def _merge_candidates(buf, dst, held, count, offs_2k, NONE: tl.constexpr, KP: tl
 @triton.jit
 def _indexer_topk_kernel(
     q_ptr, w_ptr, k_ptr, table_ptr, row_req_ptr, row_len_ptr, block_start_ptr, block_end_ptr,
-    qs_ptr, ks_ptr, part_ptr, cand_ptr,
+    qs_ptr, ks_ptr, part_ptr, cand_ptr, tail_start_ptr, tail_bits_ptr,
     stride_qr, stride_qh, stride_wr, stride_k, stride_table, stride_qsr, stride_qsh, stride_ks,
     H, SPLIT_LEN,
     D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr, KP: tl.constexpr,
-    GROUP: tl.constexpr, DOT_DTYPE: tl.constexpr, GPU: tl.constexpr,
+    GROUP: tl.constexpr, DOT_DTYPE: tl.constexpr, GPU: tl.constexpr, TREE: tl.constexpr,
 ):
     # One program: up to BLOCK_M consecutive rows of one request, sharing every K tile, over
     # positions [SPLIT_LEN * split, SPLIT_LEN * (split + 1)) of their history.
@@ -155,6 +166,11 @@ def _indexer_topk_kernel(
     req = tl.load(row_req_ptr + rows, mask=live, other=0).to(tl.int64)
     req = tl.max(tl.where(live, req, -1), axis=0)  # the block's request
     n = tl.load(row_len_ptr + rows, mask=live, other=0).to(tl.int64)  # [BLOCK_M]
+    tail0 = n
+    tail_bits = n
+    if TREE:
+        tail0 = tl.load(tail_start_ptr + rows, mask=live, other=0).to(tl.int64)
+        tail_bits = tl.load(tail_bits_ptr + rows, mask=live, other=0).to(tl.int64)
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, D)
     qmask = live[:, None, None] & (offs_h[None, :, None] < H)
@@ -181,7 +197,7 @@ def _indexer_topk_kernel(
     n_max = tl.minimum(tl.max(n, axis=0), lo + SPLIT_LEN)  # the block's longest history, in this split
     for s0 in range(lo, n_max, BLOCK_S):  # score a tile; keep only the keys that beat the running KP-th best
         key = _tile_keys(s0, n, n_max, req, q, w, table_ptr, k_ptr, ks_ptr, stride_table, stride_k, stride_ks,
-                         offs_d, NONE, D, BLOCK_M, BLOCK_H, BLOCK_S, GROUP, DOT_DTYPE)
+                         offs_d, tail0, tail_bits, NONE, D, BLOCK_M, BLOCK_H, BLOCK_S, GROUP, DOT_DTYPE, TREE)
         beats = key > bar[:, None]
         if tl.max(tl.max(beats.to(tl.int32), axis=1), axis=0) > 0:  # late in a history, most tiles add nothing
             at = count[:, None] + tl.cumsum(beats.to(tl.int32), axis=1) - 1
@@ -250,6 +266,7 @@ def indexer_topk(
     num_warps: int = 4,
     num_stages: int = 3,
     rows_per_request: int | None = None,
+    tree: tuple[torch.Tensor, torch.Tensor] | None = None,
 ):
     """Top-K history positions per query row.
 
@@ -272,6 +289,10 @@ def indexer_topk(
     fastest on the H200 (run 18), and two such programs still fit on one SM.
     rows_per_request: every request has this many consecutive rows (speculative verify):
     row blocks are then fixed, and the launch captures in a CUDA graph like decode's.
+    tree: (tail_start [R], tail_bits [R] int64) for rows of a draft tree (tree verify, or a
+    branch of a tree draft): the row sees its positions before tail_start as usual and, of
+    the draft positions tail_start + i (i < 64) below row_len, only those whose bit i is set
+    in tail_bits: its own path, not its siblings'. Unset rows see nothing beyond tail_start.
     Returns positions [R, topk] int32 (-1 padded), and their fp32 scores if asked.
     """
     R, H, D = q.shape
@@ -301,6 +322,7 @@ def indexer_topk(
     block_m = min(block_m, max(1, 4096 // kp))
     if rows_per_request:
         block_m = math.gcd(block_m, rows_per_request)
+    tail_start, tail_bits = _check_tree(tree, R)
     idx = torch.empty(R, topk, dtype=torch.int32, device=q.device)
     scores = torch.empty(R, topk, dtype=torch.float32, device=q.device)
     if R:
@@ -316,18 +338,38 @@ def indexer_topk(
         cand = torch.empty(starts.shape[0] * splits * block_m * 2 * kp, dtype=torch.int64, device=q.device)
         _indexer_topk_kernel[(starts.shape[0], splits)](
             q, weights, index_k, req_to_token, row_req, row_len, starts, ends, q_scale, k_scale, part, cand,
+            row_len if tree is None else tail_start, row_len if tree is None else tail_bits,
             q.stride(0), q.stride(1), weights.stride(0), index_k.stride(0), req_to_token.stride(0),
             q_scale.stride(0), q_scale.stride(1), k_scale.stride(0),
             H, split_len,
             D=D, BLOCK_M=block_m, BLOCK_H=block_h, BLOCK_S=block_s, KP=kp, GROUP=group, DOT_DTYPE=dot_dtype,
-            GPU=not isinstance(_indexer_topk_kernel, InterpretedFunction), num_warps=num_warps, num_stages=num_stages,
+            GPU=not isinstance(_indexer_topk_kernel, InterpretedFunction), TREE=tree is not None,
+            num_warps=num_warps, num_stages=num_stages,
         )
         idx, scores = _order_keys(part, topk)
     return (idx, scores) if return_scores else idx
 
 
+def _check_tree(tree, R: int):
+    """(tail_start, tail_bits) as int64 [R], or (None, None) without a tree."""
+    if tree is None:
+        return None, None
+    tail_start, tail_bits = tree
+    if tail_start.shape != (R,) or tail_bits.shape != (R,) or tail_bits.dtype != torch.int64:
+        raise ValueError(f"tree wants tail_start [R] and int64 tail_bits [R] for R = {R} rows; got "
+                         f"{tuple(tail_start.shape)} and {tuple(tail_bits.shape)} {tail_bits.dtype}")
+    return tail_start.to(torch.int64).contiguous(), tail_bits.contiguous()
+
+
+def tree_visible(tail_start: torch.Tensor, tail_bits: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """[R, S] whether each row sees each position under a draft tree (see indexer_topk's tree)."""
+    rel = positions[None, :] - tail_start[:, None]
+    bit = (tail_bits[:, None] >> rel.clamp(0, 63)) & 1
+    return (rel < 0) | (bit != 0)
+
+
 def indexer_topk_torch(q, weights, index_k, req_to_token, row_req, row_len, topk, return_scores=False,
-                       q_scale=None, k_scale=None, score_bytes: int = 256 << 20):
+                       q_scale=None, k_scale=None, score_bytes: int = 256 << 20, tree=None):
     """Reference of indexer_topk: reference.ops scoring and Top-K (reference.ops.topk_positions)
     over each row's history, gathered for blocks of rows padded to the block's longest
     history; score_bytes bounds one block's fp32 logits [rows, heads, history]."""
@@ -335,6 +377,7 @@ def indexer_topk_torch(q, weights, index_k, req_to_token, row_req, row_len, topk
     if group:
         q = dequantize_mxfp8(q, q_scale, group)
     R, H = q.shape[:2]
+    tail_start, tail_bits = _check_tree(tree, R)
     idx = torch.full((R, topk), -1, dtype=torch.int32, device=q.device)
     scores = torch.full((R, topk), float("-inf"), dtype=torch.float32, device=q.device)
     longest = int(row_len.max()) if R else 0
@@ -348,7 +391,10 @@ def indexer_topk_torch(q, weights, index_k, req_to_token, row_req, row_len, topk
         keys = dequantize_mxfp8(index_k[slots], k_scale[slots], group) if group else index_k[slots].float()  # [B, L, D]
         logits = torch.einsum("bhd,bld->bhl", q[rows].float(), keys).relu_()
         s = torch.einsum("bh,bhl->bl", weights[rows].float(), logits)
-        s = s.masked_fill(torch.arange(L, device=s.device)[None, :] >= row_len[rows, None], float("-inf"))
+        positions = torch.arange(L, device=s.device)
+        s = s.masked_fill(positions[None, :] >= row_len[rows, None], float("-inf"))
+        if tree is not None:
+            s = s.masked_fill(~tree_visible(tail_start[rows], tail_bits[rows], positions), float("-inf"))
         sel = topk_positions(s, topk)
         idx[rows] = sel.to(torch.int32)
         scores[rows] = torch.where(sel >= 0, torch.gather(s, 1, sel.clamp(min=0)), float("-inf"))

@@ -80,6 +80,53 @@ def test_fixed_rows_per_request_match_reference(per_request, block_m):
     assert torch.equal(scores.cpu(), ref_scores.cpu())
 
 
+def _tree_bits(parents: list[int]) -> list[int]:
+    """Per draft node (parents[j] < j, -1 for a child of the last committed token) the bits of
+    its path: itself and its ancestors."""
+    bits = []
+    for j, p in enumerate(parents):
+        bits.append((1 << j) | (bits[p] if p >= 0 else 0))
+    return bits
+
+
+@pytest.mark.parametrize("parents, block_m", [
+    ([-1, 0, 0, 1, 1, 2], 4),         # topk 2, three levels: siblings must not see each other
+    ([-1, 0, 1, 2], 4),               # a chain: the tree is the causal mask
+    ([-1, -1, -1, 0, 1, 2, 3], 1),    # topk 3 off the root, then one child each
+    ([-1] + list(range(62)), 2),      # a chain of 63 draft tokens: the bits' full width
+])
+def test_tree_rows_see_only_their_path(parents, block_m):
+    """Tree verify: each request's draft nodes sit at positions prefix .. prefix + n; node j sees
+    the prefix and its own path. Against the reference, and the reference against the plain
+    ranking of every position filtered to the path (independent of its tree code)."""
+    n, prefixes = len(parents), [40, 90, 17]
+    row_lens = [p + n for p in prefixes for _ in range(n)]
+    reqs = [r for r in range(len(prefixes)) for _ in range(n)]
+    args = _case(row_lens, reqs, 4, 16, max(row_lens), integer=True, dtype=torch.float32)
+    tail_start = torch.tensor([p for p in prefixes for _ in range(n)], device=DEVICE)
+    tail_bits = torch.tensor(_tree_bits(parents) * len(prefixes), dtype=torch.int64, device=DEVICE)
+    tree = (tail_start, tail_bits)
+    idx, scores = indexer_topk(*args, 16, return_scores=True, block_s=16, block_m=block_m, rows_per_request=n,
+                               tree=tree)
+    ref_idx, ref_scores = indexer_topk_torch(*args, 16, return_scores=True, tree=tree)
+    assert torch.equal(idx.cpu(), ref_idx.cpu())
+    assert torch.equal(scores.cpu(), ref_scores.cpu())
+    every, every_scores = indexer_topk_torch(*args, max(row_lens), return_scores=True)  # all, ranked
+    for r in range(len(row_lens)):
+        start, bits = int(tail_start[r]), int(tail_bits[r])
+        path = [(int(p), float(v)) for p, v in zip(every[r].tolist(), every_scores[r].tolist())
+                if p >= 0 and (p < start or (bits >> (p - start)) & 1)][:16]
+        got = [(int(p), float(v)) for p, v in zip(ref_idx[r].tolist(), ref_scores[r].tolist()) if p >= 0]
+        assert got == path, f"row {r}"
+
+
+def test_tree_wants_one_start_and_int64_bits_per_row():
+    args = _case([5, 6], [0, 0], 4, 16, 8, integer=True, dtype=torch.float32)
+    with pytest.raises(ValueError, match="tree wants tail_start"):
+        indexer_topk(*args, 4, tree=(torch.tensor([4, 4], device=DEVICE), torch.tensor([1, 3], device=DEVICE,
+                                                                                         dtype=torch.int32)))
+
+
 def test_top_300_over_several_merges():
     """K = 300 (KP 512, not a power of two) over histories of several merges, two rows sharing tiles."""
     args = _case([1100, 700], [0, 0], 4, 16, 1100, integer=True, dtype=torch.float32)
