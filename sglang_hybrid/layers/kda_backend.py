@@ -79,6 +79,17 @@ def _recurrent_fp32_extend_kernel(track_chunk: int):
     return RecurrentFp32KDAKernel()
 
 
+def draft_tree_parents(first_child: list[int], next_sibling: list[int]) -> list[int]:
+    """Each verify node's parent (-1: the request's committed state) from SGLang's tree links:
+    a node's first child and each node's next sibling (-1 for none), node 0 the root."""
+    parents = [-1] * len(first_child)
+    for node, child in enumerate(first_child):
+        while child != -1:
+            parents[child] = node
+            child = next_sibling[child]
+    return parents
+
+
 def _chunk_cuts(starts: list[int], h_src: torch.Tensor | None, chunk: int) -> dict[int, int]:
     """{request: tokens before its snapshot}, in h_src's order. h_src indexes the
     per-chunk states a chunked kernel would return (request i owns
@@ -149,11 +160,11 @@ class TorchKDAAttnBackend(MambaAttnBackendBase):
         return out.unsqueeze(0)
 
     def _verify(self, layer, forward_batch: ForwardBatch, mixed_qkv, a, b):
-        """Target verify of a chain draft: each request's draft tokens run on from its
-        state, and the state and conv window after every step go to SGLang's per-step
-        scratch (batch row i, step j). The request's own slot is left as it was: after
-        acceptance SGLang copies the last accepted step's pair there
-        (cpu_support.spec_ops.scatter_mamba_states_after_verify)."""
+        """Target verify of a draft chain or tree: each draft token runs on from its parent's
+        state and conv window (the request's committed ones for the first), and the pair
+        after every step goes to SGLang's per-step scratch (batch row i, step j). The
+        request's own slot is left as it was: after acceptance SGLang copies the last
+        accepted step's pair there (cpu_support.spec_ops.scatter_mamba_states_after_verify)."""
         if forward_batch.spec_info.ragged_verify_layout is not None:
             raise NotImplementedError("ragged verify layouts are not implemented on the CPU KDA path")
         slots = self.forward_metadata.mamba_cache_indices.tolist()
@@ -163,13 +174,17 @@ class TorchKDAAttnBackend(MambaAttnBackendBase):
         conv_pool, state_pool = cache.conv[0], cache.temporal
         step_windows, step_states = cache.intermediate_conv_window[0], cache.intermediate_ssm
         out = mixed_qkv.new_empty(T, layer.num_v_heads, layer.head_v_dim)
+        first_child, next_sibling = self.forward_metadata.retrieve_next_token, self.forward_metadata.retrieve_next_sibling
         for i, slot in enumerate(slots[: T // n]):
             if slot < 0:  # padded row
                 continue
-            window, state = conv_pool[slot].float(), state_pool[slot].float().transpose(-1, -2)
+            parents = (list(range(-1, n - 1)) if first_child is None
+                       else draft_tree_parents(first_child[i].tolist(), next_sibling[i].tolist()))
+            after = {-1: (conv_pool[slot].float(), state_pool[slot].float().transpose(-1, -2))}
             for j, t in enumerate(range(i * n, (i + 1) * n)):
                 out[t], window, state = self._advance(layer, mixed_qkv[t : t + 1], g[t : t + 1], beta[t : t + 1],
-                                                      window, state)
+                                                      *after[parents[j]])
+                after[j] = window, state
                 step_windows[i, j] = window.to(step_windows.dtype)
                 step_states[i, j] = state.transpose(-1, -2).to(step_states.dtype)
         return out.unsqueeze(0)
