@@ -126,7 +126,7 @@ class SparseMLAMultiStepDraftBackend(AttentionBackend):
                 f"(got {topk}); tree drafts need the indexer to see each branch's own path")
         super().__init__()
         self.attn_backends = [SparseMLAAttnBackend(model_runner, flashmla) for _ in range(speculative_num_steps - 1)]
-        self.needs_cpu_seq_lens = not str(model_runner.device).startswith("cuda")  # as the steps' backends
+        self.needs_cpu_seq_lens = any(b.needs_cpu_seq_lens for b in self.attn_backends)
 
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int):
         pass
