@@ -49,27 +49,13 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from prefix_reuse import start_server  # noqa: E402
 
 
-def _time_cuda(fn, iters=20) -> float:
-    """Median milliseconds of fn() over iters launches, after a warm-up."""
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
-
-
 def rollback_cost(preset: str, batch_sizes: list[int], draft_tokens: int) -> list[dict]:
     """SGLang's post-verify state copy at the preset's KDA dims (fp32 state, bf16 conv window)."""
     from sglang.kernels.ops.mamba.mamba_state_scatter_triton import scatter_mamba_states_after_mtp_verify
     from sglang.srt.configs.mamba_utils import KimiLinearStateShape
 
     from sglang_hybrid.checkpoints.presets import preset_config
+    from sparse_path_timing import bench  # the project's median timing (Triton's do_bench)
 
     lac = preset_config(preset)["linear_attn_config"]
     shape = KimiLinearStateShape.create(tp_world_size=1, num_heads=lac["num_heads"], head_dim=lac["head_dim"],
@@ -85,13 +71,13 @@ def rollback_cost(preset: str, batch_sizes: list[int], draft_tokens: int) -> lis
                                       for c in shape.conv])
         slot_ids = torch.randperm(slots, device="cuda")[:batch].int()
         steps = torch.randint(0, draft_tokens, (batch,), device="cuda", dtype=torch.int32)
-        ms = _time_cuda(lambda: scatter_mamba_states_after_mtp_verify(caches, slot_ids, steps, None, None))
+        ms = bench(lambda: scatter_mamba_states_after_mtp_verify(caches, slot_ids, steps, None, None))
         # One request's accepted step, for every layer, is read once and written once.
         moved = 2 * batch * layers * sum(t[0, 0, 0].numel() * t.element_size()
                                          for t in [caches.intermediate_ssm, *caches.intermediate_conv_window])
         src = torch.empty(moved // 2, dtype=torch.uint8, device="cuda")
         dst = torch.empty_like(src)
-        copy_ms = _time_cuda(lambda: dst.copy_(src))
+        copy_ms = bench(lambda: dst.copy_(src))
         rows.append({"batch": batch, "draft_tokens": draft_tokens, "kda_layers": layers, "ms": ms,
                      "bytes_moved": moved, "copy_same_bytes_ms": copy_ms, "fraction_of_copy_bw": copy_ms / ms})
         print(json.dumps(rows[-1]), flush=True)

@@ -2,7 +2,8 @@
 
 A verify runs every draft token of a request from its committed state and leaves each
 step's state and conv window in SGLang's per-step scratch (MambaPool's intermediate_ssm
-and its sliding intermediate_conv_window view), the slot itself untouched; after
+and intermediate_conv_window: dense on a CPU and for trees, a sliding view for a chain on
+a GPU), the slot itself untouched; after
 acceptance SGLang copies the last accepted step's pair into the slot. The slot must then
 hold exactly what a server that only ever saw the accepted tokens would hold: the
 same request decoded token by token from the same committed state. Checked with
