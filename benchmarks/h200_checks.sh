@@ -45,7 +45,7 @@ part() {
     # Issue 5: prefix reuse against the golden model (fp32), and the fp32 KDA path's snapshots.
     radix-tiny) run radix-tiny 280 tests/test_radix_snapshots.py --preset tiny ;;
     # Issue 6: speculative decoding (draft head, chain drafts, CUDA graphs) against the golden model.
-    spec-tiny) run spec-tiny 250 tests/test_speculative.py -k "mixed or perfect" --preset tiny ;;
+    spec-tiny) run spec-tiny 300 tests/test_speculative.py -k "mixed or perfect" --preset tiny ;;
     spec-tiny-rest) run spec-tiny-rest 280 tests/test_kda_rollback.py tests/test_speculative.py -k "not mixed and not perfect" --preset tiny ;;
     # Decode speedup by acceptance (near-bigram scale) and draft length, cycle cost, rollback copy; small, bf16.
     spec-bench) mkdir -p "$OUT/spec-bench"
