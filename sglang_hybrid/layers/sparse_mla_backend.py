@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 
 from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
+from sglang.srt.layers.attention.verify_mask import maybe_create_verify_mask
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 
 from sglang_hybrid.kernels import flashmla_sparse, indexer_topk, sparse_mla
@@ -39,6 +40,16 @@ class SparseMLAAttnBackend(AttentionBackend):
         # before every speculative step (its FutureMap otherwise pulls seq_lens to the host
         # behind the last verify). The CPU serves without overlap and keeps the host copy.
         self.needs_cpu_seq_lens = not str(model_runner.device).startswith("cuda")
+        self.max_context_len = model_runner.model_config.context_len
+        # Verify rows take their visibility from positions (and, for trees, SGLang's
+        # next-token/sibling links), never from the tree mask: ask for the unread layout,
+        # which is draft x draft cells per request, so SGLang need not size a full
+        # [draft x context] mask from host seq_lens each step.
+        self._verify_mask = maybe_create_verify_mask(
+            is_draft_runner=model_runner.is_draft_worker, skip_prefill=False,
+            max_bs=model_runner.req_to_token_pool.size, max_context_len=self.max_context_len,
+            num_draft_tokens=model_runner.server_args.speculative_num_draft_tokens,
+            device=model_runner.device, is_read=False)
         self.topk = model_runner.model_config.hf_config.index_topk
         self.req_to_token_pool = model_runner.req_to_token_pool  # the hybrid wrapper reads it
         self.req_to_token = model_runner.req_to_token_pool.req_to_token
@@ -58,6 +69,10 @@ class SparseMLAAttnBackend(AttentionBackend):
 
     def get_cuda_graph_seq_len_fill_value(self):
         return 1
+
+    @property
+    def verify_mask(self):
+        return self._verify_mask
 
     def support_triton(self):
         return self.select is indexer_topk.indexer_topk
