@@ -22,8 +22,9 @@ buffer of KP keys, both in global memory (2 KP keys per row, L2-resident: a boun
 program, never per position). A scored tile keeps only the keys that beat the running
 KP-th best (the bar: a key below it can never enter, the set only improves) and appends
 them to the buffer; when the buffer might not take the next tile, the running set and
-the candidates are merged: the KP-th largest of them is found bit by bit (64 counts,
-no sort) and the keys that reach it kept, unordered. Over n positions in random order
+the candidates are merged: a threshold that exactly KP of them reach is found two bits
+a pass from the top (one block-wide count per pass, stopping once the KP-th best is
+separated from the next; no sort) and the keys that reach it kept, unordered. Over n positions in random order
 about KP (1 + ln(n / KP)) keys ever beat the bar, so a program merges a few times; a
 history that only rises merges every KP positions, never gives a wrong answer. The
 kernel writes each program's KP keys unordered; one torch.topk over them (and over the
@@ -113,19 +114,34 @@ def _after_barrier(x, GPU: tl.constexpr):
 
 
 @triton.jit
-def _kth_largest(keys, KP: tl.constexpr):
-    """Per row of keys [BLOCK_M, N] (NONE, the int64 minimum, where there is none), the
-    KP-th largest, or NONE when fewer than KP are real. Built bit by bit from the sign
-    down: a threshold is kept when at least KP keys reach it (64 counts, no sort: Triton's
-    sort of 4096 keys took 113 us on the H200, run 19, most of the kernel's time). A
-    real key is never NONE (its low word is at least 1), and every threshold tried is
-    above NONE."""
-    reach = tl.sum((keys >= 0).to(tl.int32), axis=1)
-    t = tl.where(reach >= KP, 0, -9223372036854775807 - 1).to(tl.int64)  # [BLOCK_M]
-    for b in range(62, -1, -1):
-        c = t | (tl.full([1], 1, tl.int64) << b)
-        reach = tl.sum((keys >= c[:, None]).to(tl.int32), axis=1)
-        t = tl.where(reach >= KP, c, t)
+def _top_threshold(keys, KP: tl.constexpr):
+    """Per row of keys [BLOCK_M, N] (NONE, the int64 minimum, where there is none), a
+    threshold t with exactly KP keys >= t (all real keys when there are at most KP; t is
+    then NONE). Built from the sign down, two bits a pass: the three candidate thresholds'
+    counts are packed in 16-bit fields of one int64, so a pass is one block-wide reduction
+    (no sort: Triton's sort of 4096 keys took 113 us on the H200, run 19). It stops as soon
+    as every row has exactly KP keys at or above its threshold, which is when the prefix
+    separates the KP-th best key from the next: about the score's exponent and leading
+    mantissa bits, not all 64. A real key is never NONE (its low word is at least 1), and
+    every threshold tried is above NONE."""
+    NONE: tl.constexpr = -9223372036854775807 - 1
+    real = tl.sum((keys > NONE).to(tl.int32), axis=1)
+    nonneg = tl.sum((keys >= 0).to(tl.int32), axis=1)
+    t = tl.where(nonneg >= KP, 0, NONE).to(tl.int64)  # [BLOCK_M]
+    cnt = tl.where(nonneg >= KP, nonneg, real)  # keys >= t; > KP while t is not yet a threshold
+    lo = tl.full([], 61, tl.int32)  # this pass decides bits lo + 1 and lo (bit 0 alone last)
+    while (lo >= -1) & (tl.max(cnt, axis=0) > KP):
+        step = tl.full([1], 1, tl.int64) << tl.maximum(lo, 0).to(tl.int64)
+        # The last pass (lo = -1) decides bit 0 only: its t + 2 and t + 3 are prefixes already
+        # turned down, which fewer than KP keys reach.
+        c1, c2, c3 = t + step, t + 2 * step, t + 3 * step
+        packed = ((keys >= c1[:, None]).to(tl.int64) + ((keys >= c2[:, None]).to(tl.int64) << 16)
+                  + ((keys >= c3[:, None]).to(tl.int64) << 32))
+        total = tl.sum(packed, axis=1)
+        n1, n2, n3 = total & 0xFFFF, (total >> 16) & 0xFFFF, total >> 32
+        t = tl.where(n3 >= KP, c3, tl.where(n2 >= KP, c2, tl.where(n1 >= KP, c1, t)))
+        cnt = tl.where(n3 >= KP, n3, tl.where(n2 >= KP, n2, tl.where(n1 >= KP, n1, cnt))).to(tl.int32)
+        lo -= 2
     return t
 
 
@@ -137,10 +153,11 @@ def _merge_candidates(buf, dst, held, count, offs_2k, NONE: tl.constexpr, KP: tl
     valid = tl.where(offs_2k[None, :] < KP, offs_2k[None, :] < held[:, None], offs_2k[None, :] - KP < count[:, None])
     keys = tl.load(buf + offs_2k[None, :], mask=valid & (waiting >= 0), other=NONE,  # after the block's stores
                    cache_modifier=".cg")
-    bar = _kth_largest(keys, KP)
-    keep = (keys > NONE) & (keys >= bar[:, None])
+    keep = (keys > NONE) & (keys >= _top_threshold(keys, KP)[:, None])
     at = tl.cumsum(keep.to(tl.int32), axis=1) - 1
     kept = tl.sum(keep.to(tl.int32), axis=1)
+    # The bar is the KP-th best key itself once KP are held (the threshold may sit below it).
+    bar = tl.where(kept >= KP, tl.min(tl.where(keep, keys, 9223372036854775807), axis=1), NONE)
     # Every thread has read the buffer before it is overwritten: the kept keys now, the
     # next tile's candidates (their positions depend on the returned count) later.
     read = tl.max(_after_barrier(tl.max(kept, axis=0) + tl.zeros([1], tl.int32), GPU), axis=0)
@@ -316,6 +333,8 @@ def indexer_topk(
     # Dequantized MXFP8 values are exact in bf16; the interpreter cannot run bf16, fp32 is exact too.
     dot_dtype = (tl.bfloat16 if q.is_cuda else tl.float32) if group else _TL_DTYPES[q.dtype]
     kp = max(triton.next_power_of_2(topk), 16)
+    if kp > 16384:  # a merge counts its 2 KP keys in 16-bit fields
+        raise ValueError(f"topk must be at most 16384, got {topk}")
     block_s = min(block_s, kp)
     if block_m & (block_m - 1) or block_m < 1:
         raise ValueError(f"block_m must be a power of two, got {block_m}")

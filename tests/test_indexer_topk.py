@@ -156,6 +156,37 @@ def test_histories_that_only_rise_or_only_fall(order, block_m):
     assert torch.equal(scores.cpu(), ref_scores.cpu())
 
 
+@pytest.mark.parametrize("real", [0, 5, 16, 17, 32])
+def test_merge_threshold_keeps_exactly_the_best(real):
+    """The merge's threshold on raw keys, 2 KP = 32 per row: no real key, fewer than KP, exactly KP,
+    one more, all real; negative and positive keys; keys that differ only in the low word
+    (the passes run to bit 0), and a row that settles after its first pass."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def kernel(keys_ptr, out_ptr, KP: tl.constexpr):
+        offs = tl.arange(0, 4)[:, None] * (2 * KP) + tl.arange(0, 2 * KP)[None, :]
+        tl.store(out_ptr + tl.arange(0, 4), _module._top_threshold(tl.load(keys_ptr + offs), KP))
+
+    g = torch.Generator().manual_seed(real)
+    none = torch.iinfo(torch.int64).min
+    rows = [torch.randint(-2**62, 2**62, (32,), generator=g),  # spread over the high bits
+            (torch.randint(-3, 4, (32,), generator=g) << 32) | torch.randperm(32, generator=g),  # low word only
+            torch.arange(32) - 15,                                  # -15..16: all 32 real, the cut is at bit 0
+            torch.randperm(32, generator=g) << 57]                  # the top bits alone separate
+    keys = torch.stack(rows)
+    keys = keys[:, torch.randperm(32, generator=g)]
+    keys[:, real:] = none
+    keys = keys.contiguous().to(DEVICE)
+    t = torch.empty(4, dtype=torch.int64, device=DEVICE)
+    kernel[(1,)](keys, t, KP=16)
+    for row, thr in zip(keys.cpu(), t.cpu()):
+        kept = row[(row > none) & (row >= thr)]
+        best = row[row > none].sort(descending=True).values[:16]
+        assert torch.equal(kept.sort(descending=True).values, best)
+
+
 def _assert_match_up_to_near_ties(idx, scores, ref_idx, ref_scores):
     """Scores to rounding; positions equal except where rounding reorders a near tie."""
     torch.testing.assert_close(scores.cpu(), ref_scores.cpu(), rtol=1e-5, atol=1e-5)
