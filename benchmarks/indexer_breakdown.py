@@ -50,7 +50,7 @@ def _scoring_kernel(q_ptr, w_ptr, k_ptr, table_ptr, row_len_ptr, out_ptr, stride
     best = tl.full([1, BLOCK_S], NONE, tl.int64)
     for s0 in range(lo, n_max, BLOCK_S):
         key = _tile_keys(s0, n, n_max, row.to(tl.int64), q, w, table_ptr, k_ptr, k_ptr, stride_table, stride_k, 0,
-                         offs_d, NONE, D, 1, BLOCK_H, BLOCK_S, 0, DOT_DTYPE)
+                         offs_d, n, n, NONE, D, 1, BLOCK_H, BLOCK_S, 0, DOT_DTYPE, False)
         best = tl.maximum(best, key)
     tl.store(out_ptr + (row * tl.num_programs(1) + tl.program_id(1)) * BLOCK_S + tl.arange(0, BLOCK_S)[None, :], best)
 
@@ -68,13 +68,13 @@ def _merge_kernel(buf_ptr, REPS, KP: tl.constexpr):
                                          KP, True)
 
 
-def scoring_ms(q, w, k, table, row_len, topk: int, block_s: int = 128, num_warps: int = 4,
-               num_stages: int = 3) -> float:
-    """The tile loop alone, at indexer_topk's grid for these decode rows (one per request)."""
+def scoring_launch(q, w, k, table, row_len, topk: int, programs: int, block_s: int = 128, num_warps: int = 4,
+                   num_stages: int = 3):
+    """A launch of the tile loop alone at indexer_topk's grid for these decode rows (one per
+    request) when it runs `programs` programs."""
     R, H, Dh = q.shape
     kp = triton.next_power_of_2(topk)
-    sms = torch.cuda.get_device_properties(q.device).multi_processor_count
-    split_len = indexer_topk._split_len(table.shape[1], kp, R, 2 * sms)
+    split_len = indexer_topk._split_len(table.shape[1], kp, R, programs)
     splits = triton.cdiv(table.shape[1], split_len)
     out = torch.empty(R, splits, block_s, dtype=torch.int64, device=q.device)
     w = w.float()
@@ -84,18 +84,35 @@ def scoring_ms(q, w, k, table, row_len, topk: int, block_s: int = 128, num_warps
                                      table.stride(0), H, split_len, D=Dh, BLOCK_H=triton.next_power_of_2(H),
                                      BLOCK_S=block_s, DOT_DTYPE=tl.bfloat16, num_warps=num_warps,
                                      num_stages=num_stages)
-    return do_bench_cudagraph(run, return_mode="median")
+    return run
+
+
+def merge_launch(topk: int, programs: int, reps: int, device, num_warps: int = 4):
+    """A launch of `reps` merges in each of `programs` programs, over keys as the kernel makes
+    them (random normal scores, distinct positions): how many passes a merge takes depends
+    on where the KP-th best key parts from the next, so uniform 64-bit keys would flatter it."""
+    kp = triton.next_power_of_2(topk)
+    bits = torch.randn(programs, 2 * kp).view(torch.int32).long()
+    ordered = torch.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
+    buf = ((ordered << 32) | (0x7FFFFFFF - torch.randperm(programs * 2 * kp).view(programs, 2 * kp))).to(device)
+
+    def run():
+        _merge_kernel[(programs,)](buf, reps, KP=kp, num_warps=num_warps)
+    return run
+
+
+def scoring_ms(q, w, k, table, row_len, topk: int, **options) -> float:
+    """The tile loop alone, at indexer_topk's grid (two programs per SM)."""
+    programs = 2 * torch.cuda.get_device_properties(q.device).multi_processor_count
+    return do_bench_cudagraph(scoring_launch(q, w, k, table, row_len, topk, programs, **options),
+                              return_mode="median")
 
 
 def merge_us(topk: int, num_warps: int = 4, reps: int = 64) -> float:
     """Microseconds per merge, with two programs per SM merging at once."""
-    kp = triton.next_power_of_2(topk)
     programs = 2 * torch.cuda.get_device_properties(0).multi_processor_count
-    buf = torch.randint(-(1 << 62), 1 << 62, (programs, 2 * kp), device="cuda")
-
-    def run():
-        _merge_kernel[(programs,)](buf, reps, KP=kp, num_warps=num_warps)
-    return do_bench_cudagraph(run, return_mode="median") * 1e3 / reps
+    return do_bench_cudagraph(merge_launch(topk, programs, reps, "cuda", num_warps),
+                              return_mode="median") * 1e3 / reps
 
 
 def merges_per_program(scores: torch.Tensor, topk: int, split_len: int, block_s: int = 128) -> list[int]:

@@ -94,6 +94,13 @@ def cases():
     out.append(("quantize_mxfp8", lambda: mxfp8.quantize_mxfp8(q)))
     out.append(("store_mxfp8", lambda: mxfp8.store_mxfp8(k[:rows], loc, kd.clone(), ks.clone())))
     out.append(("store_kv_fp8", lambda: fp8_kv.store_kv_fp8(kv[:rows, :512], loc, data.clone(), scale.clone())))
+    # The indexer's pieces as benchmarks/indexer_breakdown.py times them: they call the
+    # kernel's device functions, so a change there must keep these compiling.
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+    import indexer_breakdown
+    out.append(("indexer_breakdown[scoring]", lambda: indexer_breakdown.scoring_launch(
+        q, w, k, table.expand(rows, hist).contiguous(), row_len, 2048, programs=264)()))
+    out.append(("indexer_breakdown[merge]", lambda: indexer_breakdown.merge_launch(2048, 264, 2, "cpu")()))
     return out
 
 

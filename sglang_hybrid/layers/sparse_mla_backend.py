@@ -23,7 +23,6 @@ from __future__ import annotations
 import torch
 
 from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
-from sglang.srt.layers.attention.verify_mask import maybe_create_verify_mask
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 
 from sglang_hybrid.kernels import flashmla_sparse, indexer_topk, sparse_mla
@@ -44,7 +43,9 @@ class SparseMLAAttnBackend(AttentionBackend):
         # Verify rows take their visibility from positions (and, for trees, SGLang's
         # next-token/sibling links), never from the tree mask: ask for the unread layout,
         # which is draft x draft cells per request, so SGLang need not size a full
-        # [draft x context] mask from host seq_lens each step.
+        # [draft x context] mask from host seq_lens each step. (Imported here: its module
+        # pulls in SGLang's memory pools, which the kernel compile check must not.)
+        from sglang.srt.layers.attention.verify_mask import maybe_create_verify_mask
         self._verify_mask = maybe_create_verify_mask(
             is_draft_runner=model_runner.is_draft_worker, skip_prefill=False,
             max_bs=model_runner.req_to_token_pool.size, max_context_len=self.max_context_len,
