@@ -57,7 +57,7 @@ part() {
     # Where a draft-verify cycle's time goes: GPU busy time per step against wall time, top kernels.
     spec-profile) mkdir -p "$OUT/spec-profile"
                 timeout 300 python3 benchmarks/speculative_decode.py --preset small --out "$OUT/spec-profile/spec.json" \
-                  --scales 0.003 --steps 2 4 --batch-sizes 1 8 --profile --rollback-batch-sizes 1 \
+                  --scales 0.003 --steps 2 3 --batch-sizes 1 8 --profile --rollback-batch-sizes 1 \
                   --mem-fraction-static 0.06 --cuda-graph-max-bs 8 --max-running-requests 8 --sleep-on-idle \
                   > "$OUT/spec-profile/log.txt" 2>&1
                 echo "spec-profile: rc=$?"; grep -v '^{"config' "$OUT/spec-profile/log.txt" | tail -12 | cut -c1-200

@@ -22,7 +22,14 @@ With --profile, each server then runs --profile-steps scheduler steps (a decode 
 draft-verify cycle) at batch 1 under SGLang's torch profiler (/start_profile); from the trace
 come the GPU's busy time per step (kernels and copies, overlaps merged) against the wall time
 per step, and the kernels that take the most of it: whether a cycle waits on the GPU or on
-the host.
+the host. Each CUDA-graph replay is also timed apart (its kernels' GPU time, by the SGLang
+frame that launched it): the verify forward's over plain decoding's decode step is the
+verify-step cost, free of host gaps and of the draft's own work.
+
+Each batch size is timed --repeats times and the median run kept (a run is under a second
+at these sizes, and one run's wall time moved by up to 2x between configurations that do
+the same work, run 37). A server whose start-up was starved by its neighbours' (SGLang sizes
+its pools from the memory free while it starts) is started again alone.
 
 The servers start --parallel-starts at a time (each takes --mem-fraction-static of the GPU) and
 are then timed one at a time while the others sit idle (give them --sleep-on-idle: an idle scheduler otherwise
@@ -112,7 +119,39 @@ def gpu_time_per_step(trace_dir: str, steps: int) -> dict:
     span = end - spans[0][0]
     return {"steps": steps, "gpu_busy_ms_per_step": busy / steps / 1e3, "span_ms_per_step": span / steps / 1e3,
             "gpu_busy_fraction": busy / span, "launches_per_step": len(gpu) / steps,
+            "graph_replays": graph_replay_gpu_ms(events),
             "top_kernels_ms_per_step": {name[:120]: t / steps / 1e3 for name, t in top}}
+
+
+# Which CUDA graph a replay is, by the Python frame that launched it (SGLang 0.5.17's names).
+_PHASES = (("verify", "run_eagle_verify"), ("draft_extend", "draft_extend"),
+           ("draft", "eagle_draft_cuda_graph_runner"), ("decode", "decode_cuda_graph_runner"))
+
+
+def graph_replay_gpu_ms(events: list) -> dict:
+    """GPU time of each kind of CUDA-graph replay (the kernels of one cudaGraphLaunch, summed),
+    per replay: the target's decode step, its verify forward, the draft head's extend and its
+    later steps. The verify's over the decode's is the verify-step cost, free of host gaps."""
+    kernels: dict = {}
+    for e in events:
+        if e.get("cat") == "kernel" and "dur" in e:
+            kernels.setdefault(e["args"].get("correlation"), []).append(float(e["dur"]))
+    frames: dict = {}
+    for e in events:
+        if e.get("cat") == "python_function" and e.get("ph") == "X":
+            frames.setdefault(e["tid"], []).append(e)
+    out: dict = {}
+    for e in events:
+        if e.get("cat") != "cuda_runtime" or "GraphLaunch" not in e.get("name", ""):
+            continue
+        durs = kernels.get(e["args"].get("correlation"))
+        if not durs:
+            continue
+        stack = " ".join(f["name"] for f in frames.get(e["tid"], []) if f["ts"] <= e["ts"] <= f["ts"] + f["dur"])
+        phase = next((name for name, frame in _PHASES if frame in stack), "other")
+        n, total = out.get(phase, (0, 0.0))
+        out[phase] = (n + 1, total + sum(durs))
+    return {phase: {"replays": n, "gpu_ms_per_replay": total / n / 1e3} for phase, (n, total) in out.items()}
 
 
 def profile_steps(url: str, out_dir: str, steps: int, prompt_len: int) -> dict:
@@ -161,6 +200,7 @@ def main():
     ap.add_argument("--rollback-preset", default="bench")
     ap.add_argument("--rollback-batch-sizes", type=int, nargs="+", default=[1, 8, 32, 64])
     ap.add_argument("--parallel-starts", type=int, default=5)
+    ap.add_argument("--repeats", type=int, default=3, help="timed runs per batch size; the median is kept")
     ap.add_argument("--profile", action="store_true", help="also profile --profile-steps steps per server")
     ap.add_argument("--profile-steps", type=int, default=20)
     ap.add_argument("--workdir", default="/tmp/spec-bench")
@@ -197,6 +237,9 @@ def main():
     # one server's allocations do not starve another's.
     with concurrent.futures.ThreadPoolExecutor(args.parallel_starts) as pool:
         procs = list(pool.map(launch, range(len(configs))))
+    for i in range(len(configs)):  # a start starved by its neighbours, again alone
+        if procs[i] is None:
+            procs[i] = launch(i)
     rows, profiles = [], []
     try:
         for i, (name, scale, steps) in enumerate(configs):
@@ -205,8 +248,10 @@ def main():
             url = f"http://127.0.0.1:{args.port + i}"
             for batch in args.batch_sizes:
                 decode_run(url, batch, 16, args.prompt_len, seed=-batch)  # compile, set up this batch size
-                row = {"config": name, "scale": scale, "steps": steps,
-                       **decode_run(url, batch, args.new_tokens, args.prompt_len, seed=batch)}
+                runs = sorted((decode_run(url, batch, args.new_tokens, args.prompt_len, seed=batch)
+                               for _ in range(args.repeats)), key=lambda r: r["wall_s"])
+                row = {"config": name, "scale": scale, "steps": steps, **runs[len(runs) // 2],
+                       "walls_s": [r["wall_s"] for r in runs]}
                 rows.append(row)
                 print(json.dumps(row), flush=True)
             if args.profile:
@@ -230,6 +275,14 @@ def main():
         if r["steps"]:
             r["cycle_over_decode_step"] = (r["wall_s"] / r["verifies"]) / (base["wall_s"] / args.new_tokens)
     result["decode"] = rows
+    plain_replay = next((p["graph_replays"].get("decode") for p in profiles if p["config"] == "plain"
+                         and "graph_replays" in p), None)
+    for p in profiles:
+        verify = p.get("graph_replays", {}).get("verify")
+        if plain_replay and verify:
+            p["verify_over_decode_gpu"] = verify["gpu_ms_per_replay"] / plain_replay["gpu_ms_per_replay"]
+            print(f"{p['config']}: verify forward {verify['gpu_ms_per_replay']:.3f} ms GPU = "
+                  f"{p['verify_over_decode_gpu']:.2f} x a decode step", flush=True)
     result["profiles"] = profiles
     print(f"{'config':<24}{'batch':>6}{'tok/s':>9}{'speedup':>9}{'accept':>8}{'tok/verify':>11}{'cycle/step':>11}")
     for r in rows:
