@@ -250,3 +250,31 @@ def test_rejects_unsupported_head_dim():
     args = _case([4], [0], 2, 12, 4, integer=True, dtype=torch.float32)
     with pytest.raises(ValueError, match="index head dim"):
         indexer_topk(*args, 4)
+
+
+@pytest.mark.parametrize("topk, num_steps", [(2, 3), (3, 4), (4, 2)])
+def test_tree_draft_rows_see_what_sglang_draft_attention_reads(topk, num_steps):
+    """The sparse draft head's tree rows (backend.draft_tree_rows) see exactly the positions
+    SGLang's own draft attention reads at each step: its kv indices from
+    generate_draft_decode_kv_indices (run here in the interpreter) at page size 1."""
+    from sglang_hybrid.layers.sparse_mla_backend import draft_tree_rows
+
+    cache_locs = import_kernels("sglang.kernels.ops.speculative.cache_locs", reload=True)
+    seq_lens = torch.tensor([5, 9, 1], dtype=torch.int64)
+    req_pool_indices = torch.tensor([2, 0, 1], dtype=torch.int64)
+    bs, pool_len = len(seq_lens), 32
+    req_to_token = torch.arange(3 * pool_len, dtype=torch.int32).view(3, pool_len)  # slot = req * 32 + position
+    width = int(seq_lens.sum()) * topk + bs * topk * num_steps
+    kv_indices = torch.full((num_steps, width), -1, dtype=torch.int32)
+    kv_indptr = torch.zeros((num_steps, bs * topk + 1), dtype=torch.int32)
+    positions = seq_lens.repeat_interleave(topk)
+    cache_locs.generate_draft_decode_kv_indices[(num_steps, bs, topk)](
+        req_pool_indices, req_to_token, seq_lens, kv_indices, kv_indptr, positions, pool_len, width,
+        bs * topk + 1, 4, 1 << (num_steps - 1).bit_length(), 1 << (bs * topk - 1).bit_length(), 1)
+    for step in range(num_steps - 1):
+        row_req, row_len, (tail, bits) = draft_tree_rows(req_pool_indices, seq_lens, step, topk, num_steps)
+        visible = _module.tree_visible(tail, bits, torch.arange(pool_len)) & (torch.arange(pool_len) < row_len[:, None])
+        for r in range(bs * topk):
+            ours = sorted((req_to_token[row_req[r], visible[r]]).tolist())
+            lo, hi = kv_indptr[step, r], kv_indptr[step, r + 1]
+            assert ours == sorted(kv_indices[step, lo:hi].tolist()), f"step {step}, row {r}"

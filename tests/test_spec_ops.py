@@ -37,7 +37,8 @@ def _draft_tree(bs, topk, steps, vocab, g):
     return organize_draft_results(*lists, num_draft_token=topk * steps + 1)  # at most the candidates
 
 
-@pytest.mark.parametrize("bs, topk, steps, mode", [(2, 1, 3, 1), (3, 2, 3, 0), (2, 4, 2, 1), (1, 2, 4, 0)])
+@pytest.mark.parametrize("bs, topk, steps, mode", [(2, 1, 3, 1), (3, 2, 3, 0), (2, 4, 2, 1), (1, 2, 4, 0),
+                                                    (2, 1, 3, 0), (2, 3, 4, 0)])
 def test_tree_build_and_greedy_verify_match_sglang_triton(bs, topk, steps, mode):
     spec_tree = import_kernels("sglang.kernels.ops.speculative.spec_tree", reload=True)
     g = torch.Generator().manual_seed(bs * 100 + topk * 10 + steps)
@@ -65,6 +66,17 @@ def test_tree_build_and_greedy_verify_match_sglang_triton(bs, topk, steps, mode)
         assert torch.equal(ours[key], theirs[key]), key
 
     retrieve_index, next_token, next_sibling = ours["retrieve"]
+    if mode == 0:  # FULL_MASK: each node's row [seq_len + n] says which draft nodes it attends
+        from sglang_hybrid.layers.sparse_mla_backend import draft_tree_paths
+
+        paths = draft_tree_paths(next_token, next_sibling, steps + 1)
+        at = 0
+        for b in range(bs):
+            width = int(seq_lens[b]) + n
+            rows = ours["tree_mask"][at:at + n * width].view(n, width)[:, int(seq_lens[b]):]
+            at += n * width
+            expected = (rows.long() << torch.arange(n)).sum(1)
+            assert torch.equal(paths[b], expected), f"request {b}"
     candidates = torch.cat([torch.randint(0, 50, (bs, 1), generator=g), draft_tokens], dim=1)
     for trial in range(4):  # targets that agree with the drafts more or less often
         agree = torch.rand(bs, n, generator=g) < trial / 3

@@ -1,5 +1,5 @@
 """Speculative decoding with the checkpoint's draft head (SGLang's EAGLE worker, chain
-drafts), served and checked against the golden model.
+drafts, and tree drafts on the CPU), served and checked against the golden model.
 
 Two things are checked per request. Its greedy continuation equals the golden model's
 (speculation never changes outputs: a verify that kept a wrong KDA state or a rejected
@@ -37,9 +37,9 @@ PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16], [20, 21, 22, 23, 24, 25,
 EXACT = not torch.cuda.is_available()  # CPU serves with the golden model's arithmetic
 
 
-def _spec_args(steps: int) -> list[str]:
+def _spec_args(steps: int, topk: int = 1, draft_tokens: int | None = None) -> list[str]:
     return ["--speculative-algorithm", "NEXTN", "--speculative-num-steps", str(steps),
-            "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", str(steps + 1)]
+            "--speculative-eagle-topk", str(topk), "--speculative-num-draft-tokens", str(draft_tokens or steps + 1)]
 
 
 def _checkpoint(tmp_path_factory, name, near_bigram=None):
@@ -56,9 +56,10 @@ def spec_server(tmp_path_factory):
     log_dir = os.environ.get("SGLANG_HYBRID_TEST_LOGS") or str(tmp_path_factory.mktemp("logs"))
     servers = []
 
-    def start(checkpoint, steps, name, extra=()):
+    def start(checkpoint, steps, name, extra=(), topk=1, draft_tokens=None):
         gpu = GPU_SERVER_ARGS if torch.cuda.is_available() else []
-        srv = Server(checkpoint, os.path.join(log_dir, f"spec_{name}_server.log"), [*gpu, *_spec_args(steps), *extra])
+        srv = Server(checkpoint, os.path.join(log_dir, f"spec_{name}_server.log"),
+                     [*gpu, *_spec_args(steps, topk, draft_tokens), *extra])
         servers.append(srv)
         return srv.wait_ready()
 
@@ -140,6 +141,29 @@ def test_random_draft_head_changes_nothing(spec_server, checkpoint, golden):
     srv = spec_server(checkpoint, 2, "random_head")
     rate = _check_against_golden(golden, _generate_all(srv.url, PROMPTS), 2)
     assert rate < 0.1, f"a random draft head agreed {rate:.2f} of the time"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="tree drafts are served on the CPU only so far")
+@pytest.mark.parametrize("scale, topk, draft_tokens", [(0.3, 2, 6), (0.0, 2, 5), (0.3, 3, 8)])
+def test_tree_drafts_equal_golden(spec_server, tmp_path_factory, scale, topk, draft_tokens):
+    """Tree drafts (--speculative-eagle-topk > 1): the verify scores every node with the
+    index restricted to its own path, the draft head's steps each branch over its own
+    steps, the KDA verify follows the tree. Tokens equal the golden model's; with the perfect
+    head every verify accepts the whole depth; at 0.3, some but not all drafts."""
+    steps = 3
+    checkpoint, golden = _checkpoint(tmp_path_factory, f"tree_{scale}", near_bigram=scale)
+    srv = spec_server(checkpoint, steps, f"tree_{scale}_{topk}_{draft_tokens}", topk=topk, draft_tokens=draft_tokens)
+    results = _generate_all(srv.url, PROMPTS)
+    for ids, res in zip(PROMPTS, results):
+        assert res["output_ids"] == golden.generate(ids, NEW_TOKENS), f"prompt of {len(ids)} tokens"
+    accepted = sum(r["meta_info"]["spec_accepted_drafts"] for r in results)
+    verifies = sum(r["meta_info"]["spec_verify_ct"] for r in results)
+    if scale == 0.0:
+        for res in results:  # the last verify may need fewer than the whole depth
+            histogram = res["meta_info"]["spec_accept_histogram"]
+            assert sum(histogram[:-1]) <= 1 and histogram[-1] >= 1, histogram
+    else:
+        assert 0 < accepted < steps * verifies, f"{accepted} drafts accepted over {verifies} verifies"
 
 
 def test_low_acceptance_falls_back_to_plain_decoding(spec_server, checkpoint, golden, tmp_path_factory):

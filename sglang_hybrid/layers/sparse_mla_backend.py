@@ -31,9 +31,47 @@ from sglang_hybrid.kernels import flashmla_sparse, indexer_topk, sparse_mla
 _EXTEND_ROW_BLOCK = 4
 
 
+def draft_tree_paths(first_child: torch.Tensor, next_sibling: torch.Tensor, depth: int) -> torch.Tensor:
+    """Per verify node of a draft tree, the nodes on its path from the root (itself included)
+    as a bitmask [bs, n] int64 (bit j: node j), from SGLang's tree links [bs, n] (a node's
+    first child and next sibling, -1 for none; node 0 the root). Tensor ops only, a fixed
+    count of them (siblings <= n - 1, path length <= depth), so it stays on the device."""
+    bs, n = first_child.shape
+    node = torch.arange(n, device=first_child.device).expand(bs, n)
+
+    def inverse(link):  # inverse[c] = the node whose link is c (-1: none); column n takes the -1 links
+        out = torch.full((bs, n + 1), -1, dtype=torch.long, device=link.device)
+        return out.scatter_(1, torch.where(link >= 0, link.long(), n), node)[:, :n]
+
+    first_parent, prev_sibling = inverse(first_child), inverse(next_sibling)
+    parent = first_parent
+    for _ in range(n - 1):  # a later sibling has its first sibling's parent
+        parent = torch.where(first_parent >= 0, first_parent,
+                             torch.where(prev_sibling >= 0, parent.gather(1, prev_sibling.clamp(min=0)), -1))
+    own = torch.ones_like(node, dtype=torch.int64) << node
+    bits = own
+    for _ in range(depth - 1):
+        bits = own | torch.where(parent >= 0, bits.gather(1, parent.clamp(min=0)), 0)
+    return bits
+
+
+def draft_tree_rows(req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, step: int, topk: int, num_steps: int):
+    """The draft head's step `step` of a tree draft: row (request b, branch k), b-major, wrote
+    its token at req_to_token[seq_len + k * num_steps + step] and sees the prefix and its own
+    branch's steps 0..step (SGLang's draft layout at page size 1, as its own draft backends
+    read it, `generate_draft_decode_kv_indices`). (row_req, row_len, tree) for indexer_topk."""
+    branch = torch.arange(topk, device=seq_lens.device).repeat(seq_lens.numel())
+    tail = seq_lens.repeat_interleave(topk)
+    bits = ((1 << (step + 1)) - 1) << (branch.long() * num_steps)
+    return req_pool_indices.repeat_interleave(topk), tail + topk * num_steps, (tail, bits)
+
+
 class SparseMLAAttnBackend(AttentionBackend):
-    def __init__(self, model_runner, flashmla: bool = False):
+    def __init__(self, model_runner, flashmla: bool = False, draft_step: tuple[int, int, int] | None = None):
+        """draft_step: (step, topk, num_steps) for the draft head's step `step` of a tree draft."""
         super().__init__()
+        self.draft_step = draft_step
+        self._verify_tree = None
         # Rows read their history length from positions on the device, never from host
         # copies of seq_lens. Saying so spares SGLang's overlap scheduler a wait on the GPU
         # before every speculative step (its FutureMap otherwise pulls seq_lens to the host
@@ -67,6 +105,14 @@ class SparseMLAAttnBackend(AttentionBackend):
 
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int):
         pass
+
+    def init_forward_metadata(self, forward_batch: ForwardBatch):
+        # A tree verify: each node's path, once per forward for all sparse layers.
+        spec = forward_batch.spec_info
+        self._verify_tree = None
+        if forward_batch.forward_mode.is_target_verify() and spec is not None and (spec.topk or 1) > 1:
+            self._verify_tree = draft_tree_paths(spec.retrieve_next_token, spec.retrieve_next_sibling,
+                                                 spec.spec_steps + 1).flatten()
 
     def get_cuda_graph_seq_len_fill_value(self):
         return 1
@@ -113,6 +159,13 @@ class SparseMLAAttnBackend(AttentionBackend):
             row_req = forward_batch.req_pool_indices.repeat_interleave(per_request)
             if options:
                 options["rows_per_request"] = per_request
+            if mode.is_target_verify() and self._verify_tree is not None:
+                # Node j of a request's tree sits at req_to_token[seq_len + j] (SGLang's verify
+                # layout, flattened tree order); it sees the prefix and its own path's nodes.
+                tail = forward_batch.seq_lens.repeat_interleave(per_request)
+                return self._forward(q, k, v, layer, forward_batch, save_kv_cache, index_q, index_q_scale, index_k,
+                                     index_weights, row_req, tail + per_request,
+                                     tree=(tail, self._verify_tree), **options)
         else:
             row_req = torch.repeat_interleave(forward_batch.req_pool_indices, forward_batch.extend_seq_lens,
                                               output_size=q.shape[0])
@@ -123,6 +176,14 @@ class SparseMLAAttnBackend(AttentionBackend):
                        index_q, index_q_scale, index_k, index_weights, **kwargs):
         # A row sees every position up to its own: the sequence in a decode step (seq_lens),
         # the prefix and the steps so far in the draft head's later steps.
+        if self.draft_step is not None and self.draft_step[1] > 1:
+            row_req, row_len, tree = draft_tree_rows(forward_batch.req_pool_indices, forward_batch.seq_lens,
+                                                     *self.draft_step)
+            return self._forward(q, k, v, layer, forward_batch, save_kv_cache, index_q, index_q_scale, index_k,
+                                 index_weights, row_req, row_len, tree=tree)
+        return self._forward(q, k, v, layer, forward_batch, save_kv_cache, index_q, index_q_scale, index_k,
+                                 index_weights, forward_batch.req_pool_indices.repeat_interleave(topk),
+                                 tail + topk * num_steps, tree=(tail, bits))
         return self._forward(q, k, v, layer, forward_batch, save_kv_cache, index_q, index_q_scale, index_k,
                              index_weights, forward_batch.req_pool_indices, forward_batch.positions + 1)
 
@@ -133,15 +194,14 @@ class SparseMLAMultiStepDraftBackend(AttentionBackend):
     step i of a request at position seq_len + i, its slot the one SGLang reserved there in
     req_to_token, so each step is a plain decode over positions + 1 rows of history. Like
     the decode step, it needs no metadata beyond the batch's own tensors, so the steps
-    capture in SGLang's draft CUDA graph as they are."""
+    capture in SGLang's draft CUDA graph as they are. A tree draft (topk > 1, page size 1)
+    has one row per request and branch; each sees the prefix and its own branch's steps
+    (draft_tree_rows)."""
 
     def __init__(self, model_runner, topk: int, speculative_num_steps: int, flashmla: bool = False):
-        if topk != 1:
-            raise NotImplementedError(
-                "the sparse MLA draft head drafts chains only: use --speculative-eagle-topk 1 "
-                f"(got {topk}); tree drafts need the indexer to see each branch's own path")
         super().__init__()
-        self.attn_backends = [SparseMLAAttnBackend(model_runner, flashmla) for _ in range(speculative_num_steps - 1)]
+        self.attn_backends = [SparseMLAAttnBackend(model_runner, flashmla, (i, topk, speculative_num_steps))
+                              for i in range(speculative_num_steps - 1)]
         self.needs_cpu_seq_lens = any(b.needs_cpu_seq_lens for b in self.attn_backends)
 
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int):
