@@ -46,7 +46,11 @@ part() {
     radix-tiny) run radix-tiny 280 tests/test_radix_snapshots.py --preset tiny ;;
     # Issue 6: speculative decoding (draft head, chain drafts, CUDA graphs) against the golden model.
     spec-tiny) run spec-tiny 300 tests/test_speculative.py -k "mixed or perfect" --preset tiny ;;
-    spec-tiny-rest) run spec-tiny-rest 280 tests/test_kda_rollback.py tests/test_speculative.py -k "not mixed and not perfect" --preset tiny ;;
+    spec-tiny-rest) run spec-tiny-rest 280 tests/test_speculative.py -k "random or low_acceptance" --preset tiny ;;
+    # Tree drafts (--speculative-eagle-topk 2 and 3) against the golden model, CUDA graphs on.
+    spec-tree) run spec-tree 300 tests/test_speculative.py -k tree --preset tiny ;;
+    # Rollback bit for bit (SGLang's gather-scatter), and decode snapshots under speculation.
+    spec-snap) run spec-snap 220 tests/test_kda_rollback.py tests/test_speculative.py -k "rollback or snapshots" --preset tiny ;;
     # Decode speedup by acceptance (near-bigram scale) and draft length, cycle cost, rollback copy; small, bf16.
     spec-bench) mkdir -p "$OUT/spec-bench"
                 timeout 450 python3 benchmarks/speculative_decode.py --preset small --out "$OUT/spec-bench/spec.json" \

@@ -193,7 +193,9 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--preset", default="small")
     ap.add_argument("--scales", type=float, nargs="+", default=[0.0, 0.003, 0.02, 0.05])
-    ap.add_argument("--steps", type=int, nargs="+", default=[2, 4, 6], help="draft lengths (chain)")
+    ap.add_argument("--steps", type=int, nargs="+", default=[2, 4, 6], help="draft lengths")
+    ap.add_argument("--topks", type=int, nargs="+", default=[1], help="branches per draft step (1: a chain; "
+                    "a tree needs --page-size 1)")
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--prompt-len", type=int, default=64)
@@ -217,15 +219,17 @@ def main():
     checkpoints = {s: make_checkpoint(args.preset, f"{args.workdir}/scale_{s}", seed=0, near_bigram=s)
                    for s in args.scales}
     # Plain decoding runs the same architecture at the same cost whatever the weights: one baseline.
-    configs = [("plain", args.scales[0], 0)] + [(f"scale {s} steps {k}", s, k)
-                                                 for s in args.scales for k in args.steps]
+    configs = [("plain", args.scales[0], 0, 1)] + [
+        (f"scale {s} steps {k}" + (f" topk {t}" if t > 1 else ""), s, k, t)
+        for t in args.topks for s in args.scales for k in args.steps]
     log_dir = os.path.dirname(os.path.abspath(args.out))
 
     def launch(i):
-        name, scale, steps = configs[i]
+        name, scale, steps, topk = configs[i]
+        # A tree verifies steps x topk drafts and the root (a chain: steps + 1).
         spec = [] if steps == 0 else ["--speculative-algorithm", "NEXTN", "--speculative-num-steps", str(steps),
-                                      "--speculative-eagle-topk", "1",
-                                      "--speculative-num-draft-tokens", str(steps + 1)]
+                                      "--speculative-eagle-topk", str(topk),
+                                      "--speculative-num-draft-tokens", str(steps * topk + 1)]
         log = os.path.join(log_dir, f"spec_server_{i}.log")
         try:
             return start_server(checkpoints[scale], args.port + i, [*server_args, *spec], log)
@@ -242,7 +246,7 @@ def main():
             procs[i] = launch(i)
     rows, profiles = [], []
     try:
-        for i, (name, scale, steps) in enumerate(configs):
+        for i, (name, scale, steps, topk) in enumerate(configs):
             if procs[i] is None:
                 continue
             url = f"http://127.0.0.1:{args.port + i}"
@@ -250,7 +254,7 @@ def main():
                 decode_run(url, batch, 16, args.prompt_len, seed=-batch)  # compile, set up this batch size
                 runs = sorted((decode_run(url, batch, args.new_tokens, args.prompt_len, seed=batch)
                                for _ in range(args.repeats)), key=lambda r: r["wall_s"])
-                row = {"config": name, "scale": scale, "steps": steps, **runs[len(runs) // 2],
+                row = {"config": name, "scale": scale, "steps": steps, "topk": topk, **runs[len(runs) // 2],
                        "walls_s": [r["wall_s"] for r in runs]}
                 rows.append(row)
                 print(json.dumps(row), flush=True)

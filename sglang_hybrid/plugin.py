@@ -219,14 +219,10 @@ def _server_defaults(result, server_args, *args, **kwargs):
         raise ValueError(f"{ARCHITECTURE} does not serve context-parallel prefill yet (--enable-prefill-cp, "
                          f"--attn-cp-size {server_args.attn_cp_size}); run without them")
     # Tree drafts: the sparse layers give each node its own path through the index (verify
-    # and the draft's steps), at SGLang's page-size-1 draft layout. Not yet on the GPU (its
-    # CUDA graphs would need the tree links in static buffers) nor with pages, where SGLang
-    # duplicates the prefix's last page per branch and the index-K would need copying too.
+    # and the draft's steps), at SGLang's page-size-1 draft layout. Not with pages, where
+    # SGLang duplicates the prefix's last page per branch and the index-K would need copying too.
     topk = server_args.speculative_eagle_topk or 1
     if server_args.speculative_algorithm and topk > 1:
-        if server_args.device != "cpu":
-            raise ValueError(f"{ARCHITECTURE} drafts trees only on the CPU so far: use --speculative-eagle-topk 1 "
-                             f"on {server_args.device} (got {topk})")
         if (server_args.page_size or 1) > 1:
             raise ValueError(f"{ARCHITECTURE} drafts trees (--speculative-eagle-topk {topk}) only with "
                              f"--page-size 1 (got {server_args.page_size})")

@@ -1,5 +1,5 @@
 """Speculative decoding with the checkpoint's draft head (SGLang's EAGLE worker, chain
-drafts, and tree drafts on the CPU), served and checked against the golden model.
+and tree drafts), served and checked against the golden model.
 
 Two things are checked per request. Its greedy continuation equals the golden model's
 (speculation never changes outputs: a verify that kept a wrong KDA state or a rejected
@@ -143,7 +143,6 @@ def test_random_draft_head_changes_nothing(spec_server, checkpoint, golden):
     assert rate < 0.1, f"a random draft head agreed {rate:.2f} of the time"
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="tree drafts are served on the CPU only so far")
 @pytest.mark.parametrize("scale, topk, draft_tokens", [(0.3, 2, 6), (0.0, 2, 5), (0.3, 3, 8)])
 def test_tree_drafts_equal_golden(spec_server, tmp_path_factory, scale, topk, draft_tokens):
     """Tree drafts (--speculative-eagle-topk > 1): the verify scores every node with the

@@ -71,7 +71,11 @@ class SparseMLAAttnBackend(AttentionBackend):
         """draft_step: (step, topk, num_steps) for the draft head's step `step` of a tree draft."""
         super().__init__()
         self.draft_step = draft_step
-        self._verify_tree = None
+        self._verify_tree = self._tree_links = self._tree_link_bufs = None
+        args = model_runner.server_args
+        # (topk, draft tokens) of a target that verifies drafts
+        self._spec_shape = ((args.speculative_eagle_topk or 1, args.speculative_num_draft_tokens)
+                            if args.speculative_algorithm and not model_runner.is_draft_worker else None)
         # Rows read their history length from positions on the device, never from host
         # copies of seq_lens. Saying so spares SGLang's overlap scheduler a wait on the GPU
         # before every speculative step (its FutureMap otherwise pulls seq_lens to the host
@@ -104,15 +108,37 @@ class SparseMLAAttnBackend(AttentionBackend):
             self.attend = flashmla_sparse.sparse_mla_flashmla
 
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int):
-        pass
+        # A tree verify's links in fixed buffers (a chain until the first copy), so that the
+        # paths are computed inside the captured verify graph, as SGLang's KDA backend does.
+        spec = self._spec_shape
+        if spec is not None and spec[0] > 1:
+            n, device = spec[1], self.req_to_token.device
+            chain = torch.arange(1, n + 1, device=device)
+            chain[-1] = -1
+            self._tree_link_bufs = (chain.expand(max_bs, n).contiguous(),
+                                    torch.full((max_bs, n), -1, dtype=torch.long, device=device))
 
-    def init_forward_metadata(self, forward_batch: ForwardBatch):
-        # A tree verify: each node's path, once per forward for all sparse layers.
+    def init_forward_metadata_out_graph(self, forward_batch: ForwardBatch, in_capture: bool = False):
+        """Before capture, replay, or an eager step: where a tree verify's links are."""
         spec = forward_batch.spec_info
+        self._tree_links = None
+        if not (forward_batch.forward_mode.is_target_verify() and spec is not None and (spec.topk or 1) > 1):
+            return
+        bufs, bs = self._tree_link_bufs, forward_batch.batch_size
+        links = (spec.retrieve_next_token, spec.retrieve_next_sibling)
+        if bufs is not None and bs <= bufs[0].shape[0]:
+            if links[0] is not None:  # None while SGLang captures: the buffers hold a chain
+                for buf, link in zip(bufs, links):
+                    buf[: link.shape[0]].copy_(link)
+            links = tuple(buf[:bs] for buf in bufs)
+        self._tree_links = links if links[0] is not None else None
+
+    def init_forward_metadata_in_graph(self, forward_batch: ForwardBatch):
+        # A tree verify: each node's path, once per forward for all sparse layers (recorded
+        # in the verify graph when captured).
         self._verify_tree = None
-        if forward_batch.forward_mode.is_target_verify() and spec is not None and (spec.topk or 1) > 1:
-            self._verify_tree = draft_tree_paths(spec.retrieve_next_token, spec.retrieve_next_sibling,
-                                                 spec.spec_steps + 1).flatten()
+        if self._tree_links is not None:
+            self._verify_tree = draft_tree_paths(*self._tree_links, forward_batch.spec_info.spec_steps + 1).flatten()
 
     def get_cuda_graph_seq_len_fill_value(self):
         return 1
@@ -181,9 +207,6 @@ class SparseMLAAttnBackend(AttentionBackend):
                                                      *self.draft_step)
             return self._forward(q, k, v, layer, forward_batch, save_kv_cache, index_q, index_q_scale, index_k,
                                  index_weights, row_req, row_len, tree=tree)
-        return self._forward(q, k, v, layer, forward_batch, save_kv_cache, index_q, index_q_scale, index_k,
-                                 index_weights, forward_batch.req_pool_indices.repeat_interleave(topk),
-                                 tail + topk * num_steps, tree=(tail, bits))
         return self._forward(q, k, v, layer, forward_batch, save_kv_cache, index_q, index_q_scale, index_k,
                              index_weights, forward_batch.req_pool_indices, forward_batch.positions + 1)
 
