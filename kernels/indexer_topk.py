@@ -24,8 +24,8 @@ KP-th best (the bar: a key below it can never enter, the set only improves) and 
 them to the buffer; when the buffer might not take the next tile, the running set and
 the candidates are merged: a threshold that exactly KP of them reach is found two bits
 a pass from the top (one block-wide count per pass, stopping once the KP-th best is
-separated from the next; no sort) and the keys that reach it kept, unordered. Over n positions in random order
-about KP (1 + ln(n / KP)) keys ever beat the bar, so a program merges a few times; a
+separated from the next; no sort) and the keys that reach it kept, unordered. Over n
+positions in random order about KP (1 + ln(n / KP)) keys ever beat the bar, so a program merges a few times; a
 history that only rises merges every KP positions, never gives a wrong answer. The
 kernel writes each program's KP keys unordered; one torch.topk over them (and over the
 splits of a row, when the history is split across programs) gives the K positions in
