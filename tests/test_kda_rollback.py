@@ -20,7 +20,8 @@ import pytest
 import torch
 
 from sglang_hybrid.cpu_support import mamba_pool_on_cpu, spec_ops
-from sglang_hybrid.layers.kda_backend import TorchKDAAttnBackend, draft_tree_parents
+from sglang_hybrid.layers.draft_tree import draft_tree_parents
+from sglang_hybrid.layers.kda_backend import TorchKDAAttnBackend
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 H, K, W = 2, 16, 4  # heads, head dim, short-conv width
@@ -110,8 +111,8 @@ def test_rollback_equals_decoding_only_the_accepted_tokens(parents, last_steps):
     links = None
     if parents != CHAIN:
         first_child, next_sibling = _tree_links(parents)
-        assert draft_tree_parents(first_child, next_sibling) == parents
         links = (torch.tensor([first_child] * B), torch.tensor([next_sibling] * B))
+        assert draft_tree_parents(*links).tolist() == [parents] * B
     verify_out = _backend(spec, slots, links)._verify(layer, fb, draft_qkv, a, b)[0]
     assert torch.equal(spec.mamba2_layer_cache(0).temporal[untouched], before)
     _commit(spec, slots, last_steps)

@@ -67,7 +67,7 @@ def test_tree_build_and_greedy_verify_match_sglang_triton(bs, topk, steps, mode)
 
     retrieve_index, next_token, next_sibling = ours["retrieve"]
     if mode == 0:  # FULL_MASK: each node's row [seq_len + n] says which draft nodes it attends
-        from sglang_hybrid.layers.sparse_mla_backend import draft_tree_paths
+        from sglang_hybrid.layers.draft_tree import draft_tree_paths
 
         paths = draft_tree_paths(next_token, next_sibling, steps + 1)
         at = 0

@@ -13,6 +13,7 @@ import torch
 from sglang.srt.layers.attention.hybrid_linear_attn_backend import MambaAttnBackendBase
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 
+from sglang_hybrid.layers.draft_tree import draft_tree_parents
 from sglang_hybrid.reference import ops
 
 
@@ -77,17 +78,6 @@ def _recurrent_fp32_extend_kernel(track_chunk: int):
             return (out, _TrackedChunkStates(track_ssm_h_src, snapshots)) if return_intermediate_states else out
 
     return RecurrentFp32KDAKernel()
-
-
-def draft_tree_parents(first_child: list[int], next_sibling: list[int]) -> list[int]:
-    """Each verify node's parent (-1: the request's committed state) from SGLang's tree links:
-    a node's first child and each node's next sibling (-1 for none), node 0 the root."""
-    parents = [-1] * len(first_child)
-    for node, child in enumerate(first_child):
-        while child != -1:
-            parents[child] = node
-            child = next_sibling[child]
-    return parents
 
 
 def _chunk_cuts(starts: list[int], h_src: torch.Tensor | None, chunk: int) -> dict[int, int]:
@@ -174,12 +164,13 @@ class TorchKDAAttnBackend(MambaAttnBackendBase):
         conv_pool, state_pool = cache.conv[0], cache.temporal
         step_windows, step_states = cache.intermediate_conv_window[0], cache.intermediate_ssm
         out = mixed_qkv.new_empty(T, layer.num_v_heads, layer.head_v_dim)
-        first_child, next_sibling = self.forward_metadata.retrieve_next_token, self.forward_metadata.retrieve_next_sibling
+        first_child = self.forward_metadata.retrieve_next_token
+        tree = (None if first_child is None
+                else draft_tree_parents(first_child, self.forward_metadata.retrieve_next_sibling).tolist())
         for i, slot in enumerate(slots[: T // n]):
             if slot < 0:  # padded row
                 continue
-            parents = (list(range(-1, n - 1)) if first_child is None
-                       else draft_tree_parents(first_child[i].tolist(), next_sibling[i].tolist()))
+            parents = list(range(-1, n - 1)) if tree is None else tree[i]
             after = {-1: (conv_pool[slot].float(), state_pool[slot].float().transpose(-1, -2))}
             for j, t in enumerate(range(i * n, (i + 1) * n)):
                 out[t], window, state = self._advance(layer, mixed_qkv[t : t + 1], g[t : t + 1], beta[t : t + 1],

@@ -26,33 +26,10 @@ from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 
 from sglang_hybrid.kernels import flashmla_sparse, indexer_topk, sparse_mla
+from sglang_hybrid.layers.draft_tree import draft_tree_paths
 
 # Extend rows of one request share each index-K tile in blocks of this many rows.
 _EXTEND_ROW_BLOCK = 4
-
-
-def draft_tree_paths(first_child: torch.Tensor, next_sibling: torch.Tensor, depth: int) -> torch.Tensor:
-    """Per verify node of a draft tree, the nodes on its path from the root (itself included)
-    as a bitmask [bs, n] int64 (bit j: node j), from SGLang's tree links [bs, n] (a node's
-    first child and next sibling, -1 for none; node 0 the root). Tensor ops only, a fixed
-    count of them (siblings <= n - 1, path length <= depth), so it stays on the device."""
-    bs, n = first_child.shape
-    node = torch.arange(n, device=first_child.device).expand(bs, n)
-
-    def inverse(link):  # inverse[c] = the node whose link is c (-1: none); column n takes the -1 links
-        out = torch.full((bs, n + 1), -1, dtype=torch.long, device=link.device)
-        return out.scatter_(1, torch.where(link >= 0, link.long(), n), node)[:, :n]
-
-    first_parent, prev_sibling = inverse(first_child), inverse(next_sibling)
-    parent = first_parent
-    for _ in range(n - 1):  # a later sibling has its first sibling's parent
-        parent = torch.where(first_parent >= 0, first_parent,
-                             torch.where(prev_sibling >= 0, parent.gather(1, prev_sibling.clamp(min=0)), -1))
-    own = torch.ones_like(node, dtype=torch.int64) << node
-    bits = own
-    for _ in range(depth - 1):
-        bits = own | torch.where(parent >= 0, bits.gather(1, parent.clamp(min=0)), 0)
-    return bits
 
 
 def draft_tree_rows(req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, step: int, topk: int, num_steps: int):
