@@ -59,10 +59,10 @@ part() {
                   --mem-fraction-static 0.06 --cuda-graph-max-bs 8 --max-running-requests 8 --sleep-on-idle \
                   > "$OUT/spec-bench/log.txt" 2>&1
                 echo "spec-bench: rc=$?"; tail -20 "$OUT/spec-bench/log.txt" | cut -c1-200 ;;
-    # The same for tree drafts (topk 2, 3 steps: 7 drafts verified); accept rate counts every tree node.
+    # The same for tree drafts (topk 2, steps x 2 + 1 drafts verified); accept rate counts every tree node.
     spec-bench-tree) mkdir -p "$OUT/spec-bench-tree"
-                timeout 300 python3 benchmarks/speculative_decode.py --preset small --out "$OUT/spec-bench-tree/spec.json" \
-                  --scales 0.003 0.02 --steps 3 --topks 2 --rollback-batch-sizes 1 \
+                timeout 450 python3 benchmarks/speculative_decode.py --preset small --out "$OUT/spec-bench-tree/spec.json" \
+                  --scales 0.003 0.02 --steps 2 4 --topks 2 --rollback-batch-sizes 1 \
                   --mem-fraction-static 0.06 --cuda-graph-max-bs 8 --max-running-requests 8 --sleep-on-idle \
                   > "$OUT/spec-bench-tree/log.txt" 2>&1
                 echo "spec-bench-tree: rc=$?"; tail -12 "$OUT/spec-bench-tree/log.txt" | cut -c1-200 ;;
@@ -74,11 +74,6 @@ part() {
                   > "$OUT/spec-profile/log.txt" 2>&1
                 echo "spec-profile: rc=$?"; grep -v '^{"config' "$OUT/spec-profile/log.txt" | tail -12 | cut -c1-200
                 grep '"gpu_busy' "$OUT/spec-profile/log.txt" | cut -c1-400 ;;
-    # The indexer's ordering stage: topk over every split's keys against the live-split reduction.
-    timing-ordering) mkdir -p "$OUT/timing-ordering"
-                timeout 120 python3 benchmarks/sparse_path_timing.py --ordering --out "$OUT/timing-ordering/ordering.json" \
-                  > "$OUT/timing-ordering/log.txt" 2>&1
-                echo "timing-ordering: rc=$?"; cut -c1-300 "$OUT/timing-ordering/log.txt" | tail -14 ;;
     kda-fp32) run kda-fp32 300 tests/test_gpu.py::test_kda_extend_kernels_fp32_against_reference ;;
     # Not the eviction workload: on small, one of its 48 requests leaves the golden model by
     # more than the fp32 margin with or without the cache (radix-replay; gpu_correctness_h200.md).
@@ -118,7 +113,6 @@ part() {
     timing-decode) timing timing-decode 400 --kind decode ;;
     timing-prefill) timing timing-prefill 400 --kind prefill ;;
     # Where the indexer's time goes (tile size, pipelining depth, paging, sort work) at the largest decode shape.
-    timing-indexer-decode) timing timing-indexer-decode 300 --kind decode --indexer-only ;;
     timing-ablate) timing timing-ablate 180 --indexer-only --ablate --case decode:64x131072 --case decode:8x131072 ;;
     # The indexer alone where it is slowest, and prefill's first shape.
     timing-key) timing timing-key 280 --indexer-only --case decode:32x131072 --case decode:64x131072 \

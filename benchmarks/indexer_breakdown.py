@@ -14,12 +14,9 @@ device functions, so the sum can be held against the whole:
   at once;
 - merges: how many merges the kernel does per program on the case's data, counted by
   replaying its buffer rule in PyTorch over one row's exact scores (split 0 and the
-  last split);
-- ordering_ms: the stage after the kernel, over [rows, splits, KP] split keys: the torch
-  topk over every split (the path before `_merge_live_splits`) against the live-split
-  reduction and the topk over what it leaves.
+  last split).
 
-Used by sparse_path_timing.py --ablate and --ordering.
+Used by sparse_path_timing.py --ablate.
 """
 
 from __future__ import annotations
@@ -139,35 +136,3 @@ def merges_per_program(scores: torch.Tensor, topk: int, split_len: int, block_s:
                 pending, waiting, merges = [], 0, merges + 1
         counts.append(merges + (1 if waiting else 0))
     return counts
-
-
-def split_keys(rows: int, splits: int, topk: int, row_len: torch.Tensor, split_len: int, device) -> torch.Tensor:
-    """[rows, splits, KP] keys as the kernel leaves them: per split, up to KP keys (random
-    normal scores, distinct positions) compacted to the front, NONE in splits a row's
-    length does not reach and past a split's real keys."""
-    kp = triton.next_power_of_2(topk)
-    bits = torch.randn(rows, splits, kp, device=device).view(torch.int32).long()
-    pos = torch.randperm(rows * splits * kp, device=device).view(rows, splits, kp)
-    keys = (torch.where(bits >= 0, bits, bits ^ 0x7FFFFFFF) << 32) | (0x7FFFFFFF - pos)
-    lo = torch.arange(splits, device=device)[None, :, None] * split_len
-    real = (row_len.to(device)[:, None, None] - lo).clamp(0, kp)  # keys a split holds
-    return torch.where(torch.arange(kp, device=device) < real, keys, torch.iinfo(torch.int64).min)
-
-
-def ordering_ms(rows: int, width: int, length: int, topk: int) -> dict:
-    """The ordering stage for `rows` decode rows of `length` positions in a table `width`
-    wide, split as indexer_topk splits it: all splits' keys to torch.topk (before), the
-    live-split reduction then torch.topk (now), and the two give the same positions."""
-    kp = triton.next_power_of_2(topk)
-    programs = 2 * torch.cuda.get_device_properties(0).multi_processor_count
-    split_len = indexer_topk._split_len(width, kp, rows, programs)
-    splits = triton.cdiv(width, split_len)
-    row_len = torch.full((rows,), length, dtype=torch.int32, device="cuda")
-    part = split_keys(rows, splits, topk, row_len, split_len, "cuda")
-    every = lambda: indexer_topk._order_keys(part, topk)  # noqa: E731
-    live = lambda: indexer_topk._order_keys(indexer_topk._merge_live_splits(part, row_len, split_len), topk)  # noqa: E731
-    return {"splits": splits, "keys_per_row_before": splits * kp,
-            "keys_per_row_now": indexer_topk._merge_live_splits(part, row_len, split_len)[0].numel(),
-            "all_splits_ms": do_bench_cudagraph(every, return_mode="median"),
-            "live_splits_ms": do_bench_cudagraph(live, return_mode="median"),
-            "same_positions": bool(torch.equal(every()[0], live()[0]))}

@@ -226,25 +226,6 @@ def bench_sparse_mla(rows, reqs, length, table, row_req, selected, g, bw, tflops
     return out
 
 
-def ordering(out_path: str | None) -> None:
-    """The ordering stage at the DSA shapes (Top-K 2048, 128K table) and the small preset's
-    (Top-K 256, 32K table), for rows that fill the table and rows far shorter than it."""
-    from indexer_breakdown import ordering_ms
-
-    results = {"device": torch.cuda.get_device_name(), "cases": []}
-    for topk, width in ((TOPK, 131072), (256, 32768)):
-        for rows in (1, 8, 64):
-            for length in (width, 2048):
-                case = {"topk": topk, "table_width": width, "rows": rows, "row_length": length,
-                        **ordering_ms(rows, width, length, topk)}
-                case["speedup"] = case["all_splits_ms"] / case["live_splits_ms"]
-                results["cases"].append(case)
-                print(json.dumps(case), flush=True)
-    if out_path:
-        with open(out_path, "w") as f:
-            json.dump(results, f, indent=1)
-
-
 def parse_case(text: str) -> tuple[str, int, int]:
     """'decode:64x131072' -> ('decode', 64, 131072); 'prefill:32768' -> ('prefill', 1, 32768)."""
     kind, shape = text.split(":")
@@ -260,12 +241,8 @@ def main() -> None:
                     help="only these cases, e.g. decode:64x131072 or prefill:32768 (repeatable)")
     ap.add_argument("--indexer-only", action="store_true", help="time the indexer, not sparse MLA")
     ap.add_argument("--ablate", action="store_true", help="also time the indexer's ablations (ablate_indexer)")
-    ap.add_argument("--ordering", action="store_true",
-                    help="only the ordering stage after the kernel, all splits against live splits (indexer_breakdown)")
     ap.add_argument("--quick", action="store_true", help="one small case of each kind")
     args = ap.parse_args()
-    if args.ordering:
-        return ordering(args.out)
     g = torch.Generator(device="cuda").manual_seed(0)
     bw, tflops = hbm_copy_gbps(), gemm_tflops()
     results = {"device": torch.cuda.get_device_name(), "hbm_copy_GBps": bw, "bf16_gemm_TFLOPs": tflops,

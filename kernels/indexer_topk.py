@@ -27,10 +27,9 @@ a pass from the top (one block-wide count per pass, stopping once the KP-th best
 separated from the next; no sort) and the keys that reach it kept, unordered. Over n
 positions in random order about KP (1 + ln(n / KP)) keys ever beat the bar, so a program merges a few times; a
 history that only rises merges every KP positions, never gives a wrong answer. The
-kernel writes each program's KP keys unordered. When a row's history is split across
-programs, a second small kernel reduces each group of splits to its best KP keys, reading
-only the splits the row's length reaches; one torch.topk over what is left gives the K
-positions in order. (Run 19: Triton's sort of 4096 keys took 113 us per merge, three quarters of
+kernel writes each program's KP keys unordered; one torch.topk over them (and over the
+splits of a row, when the history is split across programs) gives the K positions in
+order. (Run 19: Triton's sort of 4096 keys took 113 us per merge, three quarters of
 the kernel's time at 64 x 128K; the scoring loop alone ran at 93% of copy bandwidth.)
 A program serves up to block_m consecutive rows of one request (the rows of a prefill
 chunk or of a verify step): each K tile is loaded once for all of them, one dot gives
@@ -223,51 +222,10 @@ def _indexer_topk_kernel(
             count += tl.sum(beats.to(tl.int32), axis=1)
             if tl.max(count, axis=0) > KP - BLOCK_S:  # the buffer might not take the next tile
                 held, bar, count = _merge_candidates(buf, buf, held, count, offs_2k, NONE, KP, GPU)
-    # The split's best KP keys, unordered; _merge_live_splits and _order_keys rank them across splits.
+    # The split's best KP keys, unordered; _order_keys (torch) ranks them across splits.
     part = part_ptr + (rows[:, None] * tl.num_programs(1) + tl.program_id(1)) * KP
     part = tl.where(live[:, None], part, buf + KP)  # a block's rows past its end write into their own buffer
     _merge_candidates(buf, part, held, count, offs_2k, NONE, KP, GPU)
-
-
-@triton.jit
-def _merge_splits_kernel(part_ptr, out_ptr, row_len_ptr, SPLITS, SPLIT_LEN,
-                         KP: tl.constexpr, C: tl.constexpr):
-    # One program: the best KP keys of splits [C * g, C * g + C) of row r, reading only the
-    # splits the row's length reaches (a short row in a wide table reads one or two).
-    r = tl.program_id(0).to(tl.int64)
-    g = tl.program_id(1)
-    NONE: tl.constexpr = -9223372036854775807 - 1
-    live = tl.minimum(tl.cdiv(tl.load(row_len_ptr + r), SPLIT_LEN), SPLITS)  # splits holding keys of r
-    offs = tl.arange(0, C * KP)
-    keys = tl.load(part_ptr + (r * SPLITS + g * C) * KP + offs, mask=g * C * KP + offs < live * KP, other=NONE)
-    keys = keys[None, :]
-    keep = (keys > NONE) & (keys >= _top_threshold(keys, KP)[:, None])
-    kept = tl.sum(keep.to(tl.int32), axis=1)
-    dst = out_ptr + (r * tl.num_programs(1) + g) * KP
-    tl.store(dst + tl.cumsum(keep.to(tl.int32), axis=1) - 1, keys, mask=keep)
-    offs_k = tl.arange(0, KP)
-    tl.store(dst + offs_k[None, :], tl.full([1, KP], NONE, tl.int64), mask=offs_k[None, :] >= kept[:, None])
-
-
-_MERGE_KEYS = 4096  # keys one _merge_splits_kernel program selects from (in registers)
-
-
-def _merge_live_splits(part: torch.Tensor, row_len: torch.Tensor, split_len: int) -> torch.Tensor:
-    """[R, splits, KP] -> [R, groups, KP]: each group of _MERGE_KEYS // KP splits reduced to
-    its best KP keys, reading only the splits each row's length reaches. The ordering topk
-    then takes groups x KP keys per row instead of splits x KP, a width set by the table,
-    not by the rows (torch's radix topk over int64 keys costs by that width: run 38 found
-    it the largest kernel of a speculative cycle on the small preset). With KP above
-    _MERGE_KEYS / 2 a group would be one split: then part is returned as it is."""
-    R, splits, kp = part.shape
-    per_group = _MERGE_KEYS // kp
-    if splits == 1 or per_group < 2:
-        return part
-    groups = triton.cdiv(splits, per_group)
-    out = torch.empty(R, groups, kp, dtype=part.dtype, device=part.device)
-    _merge_splits_kernel[(R, groups)](part, out, row_len, splits, split_len, KP=kp, C=per_group,
-                                      num_warps=8)
-    return out
 
 
 def _row_blocks(row_req: torch.Tensor, block_m: int, uniform: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -341,8 +299,8 @@ def indexer_topk(
     (tests/compile_for_sm90.py compiles the served shapes).
     programs: about how many programs to run (default: 2 per SM). When there are fewer row
     blocks, the history is split across programs (split-K, as in flash-decoding) and the
-    splits' Top-Ks are merged (_merge_live_splits, then the torch.topk that orders them):
-    a few KP-wide rows per query row, never a score per position. num_warps: per program. num_stages: Triton's software
+    splits' Top-Ks are merged by the torch.topk that orders them anyway: a few KP-wide rows
+    per query row, never a score per position. num_warps: per program. num_stages: Triton's software
     pipelining depth for the tile loads (loading the next tile by hand into registers
     instead measured no faster, run 18). block_s: positions per tile; 128 measured
     fastest on the H200 (run 18), and two such programs still fit on one SM.
@@ -407,7 +365,7 @@ def indexer_topk(
             GPU=not isinstance(_indexer_topk_kernel, InterpretedFunction), TREE=tree is not None,
             num_warps=num_warps, num_stages=num_stages,
         )
-        idx, scores = _order_keys(_merge_live_splits(part, row_len, split_len), topk)
+        idx, scores = _order_keys(part, topk)
     return (idx, scores) if return_scores else idx
 
 

@@ -77,9 +77,6 @@ def cases():
             q, w, k, table, row_req, row_len, 2048, block_m=b)))
         out.append((f"indexer_topk[{kind},mxfp8]", lambda b=block_m: indexer_topk.indexer_topk(
             qd, w, kd, table, row_req, row_len, 2048, block_m=b, q_scale=qs, k_scale=ks)))
-    # Split across an H200's 2 x 132 programs: the live-split reduction runs too (2 splits of 2048 keys).
-    out.append(("indexer_topk[decode,bf16,split]", lambda: indexer_topk.indexer_topk(
-        q, w, k, table, row_req, row_len, 2048, programs=264)))
     tree = (row_len - rows, torch.full((rows,), 2**rows - 1, dtype=torch.int64))  # verify rows of a draft tree
     out.append(("indexer_topk[tree verify,bf16]", lambda: indexer_topk.indexer_topk(
         q, w, k, table, row_req, row_len, 2048, block_m=_EXTEND_ROW_BLOCK, rows_per_request=rows, tree=tree)))

@@ -136,44 +136,6 @@ def test_top_300_over_several_merges():
     assert torch.equal(scores.cpu(), ref_scores.cpu())
 
 
-@pytest.mark.parametrize("merge_keys", [32, 64, 4096])
-def test_short_rows_in_a_wide_table_merge_only_their_splits(monkeypatch, merge_keys):
-    """Rows far shorter than the table (which sets the split count): the splits' Top-Ks are
-    reduced in groups of merge_keys // KP splits (2 and 4 at KP 16, and the served width),
-    each group reading only the splits its row reaches. Rows end inside a split, on a split
-    boundary, past the last group, and at zero."""
-    monkeypatch.setattr(_module, "_MERGE_KEYS", merge_keys)
-    lens = [0, 1, 15, 16, 17, 33, 100, 250, 256]
-    args = _case(lens, list(range(len(lens))), 2, 16, 256, integer=True, dtype=torch.float32)
-    # 16 programs over 9 rows of a 256-wide table: 16 splits of 16 positions per row.
-    idx, scores = indexer_topk(*args, 12, return_scores=True, block_s=16, programs=16 * len(lens))
-    ref_idx, ref_scores = indexer_topk_torch(*args, 12, return_scores=True)
-    assert torch.equal(idx.cpu(), ref_idx.cpu())
-    assert torch.equal(scores.cpu(), ref_scores.cpu())
-
-
-def test_merged_groups_keep_the_best_of_their_live_splits(monkeypatch):
-    """The reduction alone: [R, splits, KP] keys -> [R, groups, KP], each group the best KP
-    of the splits its row reaches (keys of splits past the row's length are never read)."""
-    monkeypatch.setattr(_module, "_MERGE_KEYS", 64)
-    kp, splits, split_len = 16, 7, 10
-    none = torch.iinfo(torch.int64).min
-    g = torch.Generator().manual_seed(3)
-    part = torch.randint(-2**62, 2**62, (3, splits, kp), generator=g)
-    part[:, :, 12:] = none  # splits are compact: real keys first
-    row_len = torch.tensor([0, 25, 70], dtype=torch.int32)  # 0, 3 and all 7 splits live
-    out = _module._merge_live_splits(part.to(DEVICE), row_len.to(DEVICE), split_len).cpu()
-    assert out.shape == (3, 2, kp)  # groups of 4 splits
-    for r, n in enumerate(row_len.tolist()):
-        live = -(-n // split_len)
-        for grp in range(2):
-            keys = part[r, 4 * grp:min(4 * grp + 4, live)].flatten()
-            keys = keys[keys != none]
-            want = keys.topk(min(kp, keys.numel())).values
-            got = out[r, grp][out[r, grp] != none]
-            assert torch.equal(got.sort(descending=True).values, want)
-
-
 @pytest.mark.parametrize("order", ["rising", "falling"])
 @pytest.mark.parametrize("block_m", [1, 2])
 def test_histories_that_only_rise_or_only_fall(order, block_m):
