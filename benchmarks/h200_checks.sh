@@ -66,6 +66,13 @@ part() {
                   --mem-fraction-static 0.06 --cuda-graph-max-bs 8 --max-running-requests 8 --sleep-on-idle \
                   > "$OUT/spec-bench-tree/log.txt" 2>&1
                 echo "spec-bench-tree: rc=$?"; tail -12 "$OUT/spec-bench-tree/log.txt" | cut -c1-200 ;;
+    # Tree against chain with a confident head (logits x 8: top-1 probability ~0.6 on small).
+    spec-bench-sharp) mkdir -p "$OUT/spec-bench-sharp"
+                timeout 420 python3 benchmarks/speculative_decode.py --preset small --out "$OUT/spec-bench-sharp/spec.json" \
+                  --scales 0.003 0.02 --logit-scale 8 --steps 3 --topks 1 2 --rollback-batch-sizes 1 \
+                  --mem-fraction-static 0.06 --cuda-graph-max-bs 8 --max-running-requests 8 --sleep-on-idle \
+                  > "$OUT/spec-bench-sharp/log.txt" 2>&1
+                echo "spec-bench-sharp: rc=$?"; tail -14 "$OUT/spec-bench-sharp/log.txt" | cut -c1-200 ;;
     # Where a draft-verify cycle's time goes: GPU busy time per step against wall time, top kernels.
     spec-profile) mkdir -p "$OUT/spec-profile"
                 timeout 300 python3 benchmarks/speculative_decode.py --preset small --out "$OUT/spec-profile/spec.json" \

@@ -193,6 +193,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--preset", default="small")
     ap.add_argument("--scales", type=float, nargs="+", default=[0.0, 0.003, 0.02, 0.05])
+    ap.add_argument("--logit-scale", type=float, default=1.0,
+                    help="every checkpoint's logits x this (same choices, a sharper distribution for trees)")
     ap.add_argument("--steps", type=int, nargs="+", default=[2, 4, 6], help="draft lengths")
     ap.add_argument("--topks", type=int, nargs="+", default=[1], help="branches per draft step (1: a chain; "
                     "a tree needs --page-size 1)")
@@ -211,12 +213,13 @@ def main():
     args, server_args = ap.parse_known_args()
     from sglang_hybrid.checkpoints.maker import make_checkpoint
 
-    result = {"preset": args.preset, "new_tokens": args.new_tokens, "prompt_len": args.prompt_len,
-              "server_args": server_args, "command": " ".join(sys.argv)}
+    result = {"preset": args.preset, "logit_scale": args.logit_scale, "new_tokens": args.new_tokens,
+              "prompt_len": args.prompt_len, "server_args": server_args, "command": " ".join(sys.argv)}
     if torch.cuda.is_available():
         result["rollback"] = rollback_cost(args.rollback_preset, args.rollback_batch_sizes, 4)
 
-    checkpoints = {s: make_checkpoint(args.preset, f"{args.workdir}/scale_{s}", seed=0, near_bigram=s)
+    checkpoints = {s: make_checkpoint(args.preset, f"{args.workdir}/scale_{s}", seed=0, near_bigram=s,
+                                      logit_scale=args.logit_scale)
                    for s in args.scales}
     # Plain decoding runs the same architecture at the same cost whatever the weights: one baseline.
     configs = [("plain", args.scales[0], 0, 1)] + [

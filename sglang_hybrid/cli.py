@@ -63,7 +63,8 @@ def _make_checkpoint(args: argparse.Namespace, rest: list[str]) -> None:
         raise SystemExit(f"sglang-hybrid make-checkpoint: unknown arguments {rest}")
     from sglang_hybrid.checkpoints.maker import make_checkpoint
 
-    print(make_checkpoint(args.preset, args.out, seed=args.seed, near_bigram=args.near_bigram))
+    print(make_checkpoint(args.preset, args.out, seed=args.seed, near_bigram=args.near_bigram,
+                          logit_scale=args.logit_scale))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -76,6 +77,9 @@ def main(argv: list[str] | None = None) -> None:
     mk.add_argument("--near-bigram", type=float, default=None, metavar="SCALE",
                     help="a speculative-decoding test model: a bigram model plus SCALE x its layers, whose draft "
                          "head is the bigram model (agrees always at 0, less often as SCALE grows)")
+    mk.add_argument("--logit-scale", type=float, default=1.0, metavar="S",
+                    help="with --near-bigram: S x every logit (same greedy choices, a sharper distribution "
+                         "for tree drafts)")
     mk.set_defaults(func=_make_checkpoint)
     sv = sub.add_parser(
         "serve",

@@ -52,3 +52,25 @@ def test_bench_preset_is_config_only(tmp_path):
     assert not [n for n in os.listdir(path) if n.endswith(".safetensors")]
     cfg = HybridLinearSparseConfig.from_pretrained(path)
     assert (cfg.index_n_heads, cfg.index_head_dim, cfg.index_topk) == (64, 128, 2048)
+
+
+def test_near_bigram_logit_scale_sharpens_without_changing_choices(tmp_path):
+    """--logit-scale multiplies the target's and the draft head's logits alike: the same
+    greedy tokens and draft proposals, a sharper distribution (what tree drafts select on)."""
+    import pytest
+    import torch
+
+    from sglang_hybrid.checkpoints.maker import make_checkpoint
+    from sglang_hybrid.reference import load
+
+    ids = [5, 6, 7, 8, 9, 10, 11]
+    plain, sharp = (load(make_checkpoint("tiny", str(tmp_path / f"s{s}"), near_bigram=0.3, logit_scale=s))
+                    for s in (1.0, 8.0))
+    torch.testing.assert_close(sharp.logits(ids), 8.0 * plain.logits(ids), rtol=1e-4, atol=1e-4)
+    assert plain.generate(ids, 12) == sharp.generate(ids, 12)
+    assert plain.speculative_generate(ids, 12, 3) == sharp.speculative_generate(ids, 12, 3)
+    with pytest.raises(ValueError, match="near_bigram checkpoint only"):
+        make_checkpoint("tiny", str(tmp_path / "x"), logit_scale=8.0)
+    with pytest.raises(ValueError, match="must be positive"):
+        make_checkpoint("tiny", str(tmp_path / "y"), near_bigram=0.3, logit_scale=0.0)
+    assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()

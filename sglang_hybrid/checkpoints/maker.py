@@ -26,9 +26,14 @@ _SHARD_BYTES = 2 << 30
 
 
 def make_checkpoint(preset: str, out_dir: str, seed: int = 0, with_weights: bool | None = None,
-                    near_bigram: float | None = None) -> str:
-    """Write the preset's checkpoint into out_dir and return out_dir. near_bigram: see
-    `near_bigram_weights` (a checkpoint whose draft head agrees with it at a chosen rate)."""
+                    near_bigram: float | None = None, logit_scale: float = 1.0) -> str:
+    """Write the preset's checkpoint into out_dir and return out_dir. near_bigram and
+    logit_scale: see `near_bigram_weights` (a checkpoint whose draft head agrees with it
+    at a chosen rate)."""
+    if logit_scale != 1.0 and near_bigram is None:  # checked before anything is written
+        raise ValueError("logit_scale applies to a near_bigram checkpoint only")
+    if not logit_scale > 0:
+        raise ValueError(f"logit_scale must be positive, got {logit_scale}")
     fields = preset_config(preset)
     tokenizer = train_tokenizer(fields.pop("tokenizer_vocab_size"))
     fields.setdefault("vocab_size", len(tokenizer))
@@ -43,7 +48,7 @@ def make_checkpoint(preset: str, out_dir: str, seed: int = 0, with_weights: bool
         dtype = _DTYPES[fields["torch_dtype"]]
         weights = random_weights(config, seed)
         if near_bigram is not None:
-            weights = near_bigram_weights(config, weights, near_bigram)
+            weights = near_bigram_weights(config, weights, near_bigram, logit_scale)
         _save_sharded({k: v.to(dtype) for k, v in weights.items()}, out_dir)
     return out_dir
 
@@ -145,7 +150,7 @@ _RESIDUAL_WRITES = ("self_attn.o_proj.weight", "down_proj.weight", ".w2.weight")
 
 
 def near_bigram_weights(config: HybridLinearSparseConfig, weights: dict[str, torch.Tensor],
-                        scale: float) -> dict[str, torch.Tensor]:
+                        scale: float, logit_scale: float = 1.0) -> dict[str, torch.Tensor]:
     """A speculative-decoding test model: the target is a bigram model (logits from the
     current token's embedding alone) plus `scale` times everything its layers write into
     the residual stream, and so is the draft head (eh_proj passes the token's normed
@@ -153,7 +158,12 @@ def near_bigram_weights(config: HybridLinearSparseConfig, weights: dict[str, tor
     same way). At scale 0 the draft always agrees with the target; the larger the scale,
     the more often the layers (the target's KDA states and sparse attention, the head's
     own sparse layer over its cache) change a choice and a draft is rejected. Every layer
-    still runs and carries its state."""
+    still runs and carries its state.
+
+    logit_scale multiplies the final norms (target and head alike), so every logit: greedy
+    choices and acceptance stay the same, but the distribution sharpens (on small: top-1
+    probability ~0.001 at 1, ~0.6 at 8), which is what a tree draft's cumulative-probability
+    node selection needs to grow deeper than two along the likely path."""
     if not config.num_nextn_predict_layers:
         raise ValueError("near_bigram needs a draft head: the preset's num_nextn_predict_layers is 0")
     D, draft = config.hidden_size, f"model.layers.{config.draft_layer_id}."
@@ -163,7 +173,8 @@ def near_bigram_weights(config: HybridLinearSparseConfig, weights: dict[str, tor
             w[name] = t * scale
     w[draft + "enorm.weight"] = torch.ones(D)
     w[draft + "eh_proj.weight"] = torch.cat([torch.eye(D), torch.zeros(D, D)], dim=1)
-    w[draft + "shared_head.norm.weight"] = weights["model.norm.weight"].clone()
+    w["model.norm.weight"] = weights["model.norm.weight"] * logit_scale
+    w[draft + "shared_head.norm.weight"] = w["model.norm.weight"].clone()
     return w
 
 
