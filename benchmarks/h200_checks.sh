@@ -81,6 +81,13 @@ part() {
                   > "$OUT/spec-profile/log.txt" 2>&1
                 echo "spec-profile: rc=$?"; grep -v '^{"config' "$OUT/spec-profile/log.txt" | tail -12 | cut -c1-200
                 grep '"gpu_busy' "$OUT/spec-profile/log.txt" | cut -c1-400 ;;
+    spec-profile-tree) mkdir -p "$OUT/spec-profile-tree"
+                timeout 360 python3 benchmarks/speculative_decode.py --preset small --out "$OUT/spec-profile-tree/spec.json" \
+                  --scales 0.003 --logit-scale 8 --steps 3 --topks 1 2 --batch-sizes 1 8 --profile --rollback-batch-sizes 1 \
+                  --mem-fraction-static 0.06 --cuda-graph-max-bs 8 --max-running-requests 8 --sleep-on-idle \
+                  > "$OUT/spec-profile-tree/log.txt" 2>&1
+                echo "spec-profile-tree: rc=$?"; grep -v '^{"config' "$OUT/spec-profile-tree/log.txt" | tail -8 | cut -c1-200
+                grep '"gpu_busy' "$OUT/spec-profile-tree/log.txt" | cut -c1-900 ;;
     kda-fp32) run kda-fp32 300 tests/test_gpu.py::test_kda_extend_kernels_fp32_against_reference ;;
     # Not the eviction workload: on small, one of its 48 requests leaves the golden model by
     # more than the fp32 margin with or without the cache (radix-replay; gpu_correctness_h200.md).
