@@ -226,15 +226,36 @@ def _server_defaults(result, server_args, *args, **kwargs):
         if (server_args.page_size or 1) > 1:
             raise ValueError(f"{ARCHITECTURE} drafts trees (--speculative-eagle-topk {topk}) only with "
                              f"--page-size 1 (got {server_args.page_size})")
-    # SGLang's standalone mode runs a second full model as the draft on the target's request
-    # and state pools; a hybrid draft needs KDA state slots of its own, which it would not get.
     if (server_args.speculative_algorithm or "").upper() == "STANDALONE":
-        raise ValueError(f"{ARCHITECTURE} does not serve SGLang's standalone draft-model mode yet "
-                         "(--speculative-algorithm STANDALONE); --speculative-algorithm NEXTN drafts with "
-                         "the checkpoint's own draft head")
+        _standalone_draft(server_args)
     # The sparse layer's indexer is eager Python for now; decode graphs are captured.
     if (Phase.PREFILL, "backend") not in server_args._cuda_graph_config_locked:
         server_args.cuda_graph_config.prefill.backend = Backend.DISABLED
+
+
+def _standalone_draft(server_args) -> None:
+    """SGLang's standalone mode runs a separate draft model on the target's request pools
+    and token allocator, with a KV pool of its own. A dense draft needs nothing else; a
+    hybrid one (this family's) would need recurrent-state slots of its own, which the
+    shared pools do not give. The draft's attention is SGLang's, not ours."""
+    from transformers import AutoConfig
+
+    path = server_args.speculative_draft_model_path
+    if not path:
+        raise ValueError("--speculative-algorithm STANDALONE needs --speculative-draft-model-path (a dense model "
+                         "with the target's tokenizer)")
+    draft = AutoConfig.from_pretrained(path, trust_remote_code=server_args.trust_remote_code)
+    if _is_ours(draft):
+        raise ValueError(f"--speculative-algorithm STANDALONE with a {ARCHITECTURE} draft model ({path}) is not "
+                         "served: SGLang's standalone draft shares the target's request pools, and a hybrid draft "
+                         "needs KDA state slots of its own. Use a dense draft model, or --speculative-algorithm "
+                         "NEXTN with the checkpoint's own draft head")
+    if server_args.device == "cpu":
+        raise ValueError("--speculative-algorithm STANDALONE needs a GPU: SGLang's only CPU attention backend for "
+                         "a dense draft's steps (intel_amx) needs sgl-kernel's CPU build; --speculative-algorithm "
+                         "NEXTN runs on CPU")
+    if not server_args.speculative_draft_attention_backend:
+        server_args.speculative_draft_attention_backend = "triton"
 
 
 def _build_kv_pool(original, configurator, *, max_total_num_tokens, req_to_token_pool, mha_pool_class):

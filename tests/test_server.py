@@ -208,10 +208,17 @@ def test_logprobs_match_golden(server, golden, tolerance):
       "--speculative-num-draft-tokens", "4", "--page-size", "16"], "drafts trees (--speculative-eagle-topk 2) only with"),
     (["--speculative-algorithm", "STANDALONE", "--speculative-draft-model-path", "{checkpoint}",
       "--speculative-num-steps", "2", "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "3"],
-     "does not serve SGLang's standalone draft-model mode yet"),
+     "a hybrid draft needs KDA state slots of its own"),
+    (["--speculative-algorithm", "STANDALONE", "--speculative-draft-model-path", "{dense_draft}",
+      "--speculative-num-steps", "2", "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "3"],
+     "STANDALONE needs a GPU"),
 ])
 def test_unservable_arguments_stop_the_server_with_their_reason(checkpoint, tmp_path, args, reason):
-    srv = Server(checkpoint, str(tmp_path / "server.log"), [a.format(checkpoint=checkpoint) for a in args])
+    from sglang_hybrid.checkpoints.maker import make_dense_draft
+
+    dense_draft = make_dense_draft(checkpoint, str(tmp_path / "draft")) if "{dense_draft}" in args else None
+    args = [a.format(checkpoint=checkpoint, dense_draft=dense_draft) for a in args]
+    srv = Server(checkpoint, str(tmp_path / "server.log"), args)
     try:
         with pytest.raises(RuntimeError, match="server exited"):
             srv.wait_ready(timeout=300)

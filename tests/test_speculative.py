@@ -37,8 +37,8 @@ PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16], [20, 21, 22, 23, 24, 25,
 EXACT = not torch.cuda.is_available()  # CPU serves with the golden model's arithmetic
 
 
-def _spec_args(steps: int, topk: int = 1, draft_tokens: int | None = None) -> list[str]:
-    return ["--speculative-algorithm", "NEXTN", "--speculative-num-steps", str(steps),
+def _spec_args(steps: int, topk: int = 1, draft_tokens: int | None = None, algorithm: str = "NEXTN") -> list[str]:
+    return ["--speculative-algorithm", algorithm, "--speculative-num-steps", str(steps),
             "--speculative-eagle-topk", str(topk), "--speculative-num-draft-tokens", str(draft_tokens or steps + 1)]
 
 
@@ -57,10 +57,10 @@ def spec_server(tmp_path_factory):
     log_dir = os.environ.get("SGLANG_HYBRID_TEST_LOGS") or str(tmp_path_factory.mktemp("logs"))
     servers = []
 
-    def start(checkpoint, steps, name, extra=(), topk=1, draft_tokens=None):
+    def start(checkpoint, steps, name, extra=(), topk=1, draft_tokens=None, algorithm="NEXTN"):
         gpu = GPU_SERVER_ARGS if torch.cuda.is_available() else []
         srv = Server(checkpoint, os.path.join(log_dir, f"spec_{name}_server.log"),
-                     [*gpu, *_spec_args(steps, topk, draft_tokens), *extra])
+                     [*gpu, *_spec_args(steps, topk, draft_tokens, algorithm), *extra])
         servers.append(srv)
         return srv.wait_ready()
 
@@ -164,6 +164,31 @@ def test_tree_drafts_equal_golden(spec_server, tmp_path_factory, scale, topk, dr
             assert sum(histogram[:-1]) <= 1 and histogram[-1] >= 1, histogram
     else:
         assert 0 < accepted < steps * verifies, f"{accepted} drafts accepted over {verifies} verifies"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="STANDALONE needs a GPU (the CPU refusal: test_server.py)")
+@pytest.mark.parametrize("scale", [0.0, 0.3])
+def test_standalone_dense_draft_equals_golden(spec_server, tmp_path_factory, scale):
+    """SGLang's standalone mode: a separate dense draft model (maker.make_dense_draft, a
+    Llama whose logits are the target's bigram logits) drafts on its own KV pool under the
+    target's allocator, with SGLang's triton attention; the target verifies with state
+    replay as for its own head. Tokens equal the golden model's; at scale 0 the draft is
+    the target up to rounding and nearly every draft is accepted, at 0.3 some."""
+    from sglang_hybrid.checkpoints.maker import make_dense_draft
+
+    checkpoint, golden = _checkpoint(tmp_path_factory, f"standalone_{scale}", near_bigram=scale)
+    draft = make_dense_draft(checkpoint, str(tmp_path_factory.mktemp(f"dense_draft_{scale}")))
+    srv = spec_server(checkpoint, 3, f"standalone_{scale}", ["--speculative-draft-model-path", draft],
+                      algorithm="STANDALONE")
+    results = _generate_all(srv.url, PROMPTS)
+    for ids, res in zip(PROMPTS, results):
+        assert res["output_ids"] == golden.generate(ids, NEW_TOKENS), f"prompt of {len(ids)} tokens"
+    accepted = sum(r["meta_info"]["spec_accepted_drafts"] for r in results)
+    proposed = sum(r["meta_info"]["spec_proposed_drafts"] for r in results)
+    if scale == 0.0:
+        assert accepted >= 0.9 * proposed, f"{accepted} of {proposed} drafts accepted"
+    else:
+        assert 0 < accepted < proposed, f"{accepted} of {proposed} drafts accepted"
 
 
 def test_low_acceptance_falls_back_to_plain_decoding(spec_server, checkpoint, golden, tmp_path_factory):

@@ -195,3 +195,49 @@ def _save_sharded(weights: dict[str, torch.Tensor], out_dir: str) -> None:
         index.update({name: fname for name in shard})
     with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as f:
         json.dump({"metadata": {"total_size": sum(t.nbytes for t in weights.values())}, "weight_map": index}, f, indent=1)
+
+
+def make_dense_draft(target_dir: str, out_dir: str, num_layers: int = 2, seed: int = 0) -> str:
+    """A standalone draft model for SGLang's STANDALONE mode: a small LlamaForCausalLM with
+    the target's tokenizer, embedding, final norm and LM head, whose layers write nothing
+    into the residual stream. Its logits are the target's bigram logits, so against a
+    near-bigram target it agrees as often as the checkpoint's own draft head does. Every
+    layer still runs and fills its KV cache."""
+    from transformers import AutoTokenizer, LlamaConfig
+
+    with open(os.path.join(target_dir, "config.json")) as f:
+        target = json.load(f)
+    weights = {}
+    for name in sorted(os.listdir(target_dir)):
+        if name.endswith(".safetensors"):
+            from safetensors.torch import load_file
+
+            weights.update(load_file(os.path.join(target_dir, name)))
+    if "lm_head.weight" not in weights:
+        raise ValueError(f"{target_dir} has no weights with an lm_head (a config-only preset?)")
+    D, heads, kv_heads, head_dim, inter = target["hidden_size"], 4, 2, target["hidden_size"] // 4, 2 * target["hidden_size"]
+    config = LlamaConfig(vocab_size=target["vocab_size"], hidden_size=D, intermediate_size=inter,
+                         num_hidden_layers=num_layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                         max_position_embeddings=target["max_position_embeddings"],
+                         rms_norm_eps=target["rms_norm_eps"], tie_word_embeddings=False,
+                         eos_token_id=target.get("eos_token_id"), pad_token_id=target.get("pad_token_id"),
+                         bos_token_id=None, torch_dtype=target["torch_dtype"], architectures=["LlamaForCausalLM"])
+    g = torch.Generator().manual_seed(seed)
+    w = {"model.embed_tokens.weight": weights["model.embed_tokens.weight"],
+         "model.norm.weight": weights["model.norm.weight"], "lm_head.weight": weights["lm_head.weight"]}
+    shapes = {"self_attn.q_proj": (heads * head_dim, D), "self_attn.k_proj": (kv_heads * head_dim, D),
+              "self_attn.v_proj": (kv_heads * head_dim, D), "self_attn.o_proj": (D, heads * head_dim),
+              "mlp.gate_proj": (inter, D), "mlp.up_proj": (inter, D), "mlp.down_proj": (D, inter)}
+    for i in range(num_layers):
+        p = f"model.layers.{i}."
+        for name, shape in shapes.items():
+            zero = name.endswith(("o_proj", "down_proj"))  # nothing written into the residual stream
+            w[p + name + ".weight"] = torch.zeros(shape) if zero else torch.randn(shape, generator=g) / math.sqrt(shape[1])
+        w[p + "input_layernorm.weight"] = torch.ones(D)
+        w[p + "post_attention_layernorm.weight"] = torch.ones(D)
+    os.makedirs(out_dir, exist_ok=True)
+    config.save_pretrained(out_dir)
+    AutoTokenizer.from_pretrained(target_dir).save_pretrained(out_dir)
+    dtype = _DTYPES[target["torch_dtype"]]
+    _save_sharded({k: v.to(dtype) for k, v in w.items()}, out_dir)
+    return out_dir
