@@ -50,7 +50,7 @@ def _scoring_kernel(q_ptr, w_ptr, k_ptr, table_ptr, row_len_ptr, out_ptr, stride
     best = tl.full([1, BLOCK_S], NONE, tl.int64)
     for s0 in range(lo, n_max, BLOCK_S):
         key = _tile_keys(s0, n, n_max, row.to(tl.int64), q, w, table_ptr, k_ptr, k_ptr, stride_table, stride_k, 0,
-                         offs_d, n, n, NONE, D, 1, BLOCK_H, BLOCK_S, 0, DOT_DTYPE, False)
+                         offs_d, n, n, n, NONE, D, 1, BLOCK_H, BLOCK_S, 0, DOT_DTYPE, False)
         best = tl.maximum(best, key)
     tl.store(out_ptr + (row * tl.num_programs(1) + tl.program_id(1)) * BLOCK_S + tl.arange(0, BLOCK_S)[None, :], best)
 

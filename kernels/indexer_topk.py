@@ -79,11 +79,12 @@ def _e8m0(byte):
 
 @triton.jit
 def _tile_keys(s0, n, n_max, req, q, w, table_ptr, k_ptr, ks_ptr, stride_table, stride_k, stride_ks, offs_d,
-               tail0, tail_bits,
+               tail0, tail_bits, tail_skip,
                NONE: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr,
                BLOCK_S: tl.constexpr, GROUP: tl.constexpr, DOT_DTYPE: tl.constexpr, TREE: tl.constexpr):
     """Keys [BLOCK_M, BLOCK_S] of positions s0 .. s0 + BLOCK_S for the block's rows (NONE past a row's
-    history, and with TREE at the draft positions from tail0 on whose bit in tail_bits is clear)."""
+    history, and with TREE at the draft positions from tail0 on: hidden for tail_skip of them, then
+    visible where their bit in tail_bits, counted from there, is set)."""
     pos = s0 + tl.arange(0, BLOCK_S).to(tl.int64)
     seen = pos < n_max
     slot = tl.load(table_ptr + req * stride_table + pos, mask=seen, other=0).to(tl.int64)
@@ -95,9 +96,9 @@ def _tile_keys(s0, n, n_max, req, q, w, table_ptr, k_ptr, ks_ptr, stride_table, 
     score = tl.trans(tl.sum(tl.maximum(logits, 0.0) * w[None, :, :], axis=2))  # [BLOCK_M, BLOCK_S]
     visible = pos[None, :] < n[:, None]
     if TREE:
-        rel = pos[None, :] - tail0[:, None]
+        rel = pos[None, :] - tail0[:, None] - tail_skip[:, None]
         bit = (tail_bits[:, None] >> tl.minimum(tl.maximum(rel, 0), 63)) & 1
-        visible = visible & ((rel < 0) | (bit != 0))
+        visible = visible & ((pos[None, :] < tail0[:, None]) | ((rel >= 0) & (bit != 0)))
     return tl.where(visible, _encode(score, pos[None, :]), NONE)
 
 
@@ -170,7 +171,7 @@ def _merge_candidates(buf, dst, held, count, offs_2k, NONE: tl.constexpr, KP: tl
 @triton.jit
 def _indexer_topk_kernel(
     q_ptr, w_ptr, k_ptr, table_ptr, row_req_ptr, row_len_ptr, block_start_ptr, block_end_ptr,
-    qs_ptr, ks_ptr, part_ptr, cand_ptr, tail_start_ptr, tail_bits_ptr,
+    qs_ptr, ks_ptr, part_ptr, cand_ptr, tail_start_ptr, tail_bits_ptr, tail_skip_ptr,
     stride_qr, stride_qh, stride_wr, stride_k, stride_table, stride_qsr, stride_qsh, stride_ks,
     H, SPLIT_LEN,
     D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr, KP: tl.constexpr,
@@ -185,9 +186,11 @@ def _indexer_topk_kernel(
     n = tl.load(row_len_ptr + rows, mask=live, other=0).to(tl.int64)  # [BLOCK_M]
     tail0 = n
     tail_bits = n
+    tail_skip = n
     if TREE:
         tail0 = tl.load(tail_start_ptr + rows, mask=live, other=0).to(tl.int64)
         tail_bits = tl.load(tail_bits_ptr + rows, mask=live, other=0).to(tl.int64)
+        tail_skip = tl.load(tail_skip_ptr + rows, mask=live, other=0).to(tl.int64)
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, D)
     qmask = live[:, None, None] & (offs_h[None, :, None] < H)
@@ -214,7 +217,7 @@ def _indexer_topk_kernel(
     n_max = tl.minimum(tl.max(n, axis=0), lo + SPLIT_LEN)  # the block's longest history, in this split
     for s0 in range(lo, n_max, BLOCK_S):  # score a tile; keep only the keys that beat the running KP-th best
         key = _tile_keys(s0, n, n_max, req, q, w, table_ptr, k_ptr, ks_ptr, stride_table, stride_k, stride_ks,
-                         offs_d, tail0, tail_bits, NONE, D, BLOCK_M, BLOCK_H, BLOCK_S, GROUP, DOT_DTYPE, TREE)
+                         offs_d, tail0, tail_bits, tail_skip, NONE, D, BLOCK_M, BLOCK_H, BLOCK_S, GROUP, DOT_DTYPE, TREE)
         beats = key > bar[:, None]
         if tl.max(tl.max(beats.to(tl.int32), axis=1), axis=0) > 0:  # late in a history, most tiles add nothing
             at = count[:, None] + tl.cumsum(beats.to(tl.int32), axis=1) - 1
@@ -306,10 +309,11 @@ def indexer_topk(
     fastest on the H200 (run 18), and two such programs still fit on one SM.
     rows_per_request: every request has this many consecutive rows (speculative verify):
     row blocks are then fixed, and the launch captures in a CUDA graph like decode's.
-    tree: (tail_start [R], tail_bits [R] int64) for rows of a draft tree (tree verify, or a
-    branch of a tree draft): the row sees its positions before tail_start as usual and, of
-    the draft positions tail_start + i (i < 64) below row_len, only those whose bit i is set
-    in tail_bits: its own path, not its siblings'. Unset rows see nothing beyond tail_start.
+    tree: (tail_start [R], tail_bits [R] int64[, tail_skip [R]]) for rows of a draft tree (tree
+    verify, or a branch of a tree draft): the row sees its positions before tail_start as usual,
+    none of the next tail_skip (default 0: other branches' pages in a paged tree draft) and, of
+    the draft positions tail_start + tail_skip + i (i < 64) below row_len, only those whose bit
+    i is set in tail_bits: its own path, not its siblings'. Unset rows see nothing beyond tail_start.
     Returns positions [R, topk] int32 (-1 padded), and their fp32 scores if asked.
     """
     R, H, D = q.shape
@@ -341,7 +345,7 @@ def indexer_topk(
     block_m = min(block_m, max(1, 4096 // kp))
     if rows_per_request:
         block_m = math.gcd(block_m, rows_per_request)
-    tail_start, tail_bits = _check_tree(tree, R)
+    tail_start, tail_bits, tail_skip = _check_tree(tree, R)
     idx = torch.empty(R, topk, dtype=torch.int32, device=q.device)
     scores = torch.empty(R, topk, dtype=torch.float32, device=q.device)
     if R:
@@ -357,7 +361,7 @@ def indexer_topk(
         cand = torch.empty(starts.shape[0] * splits * block_m * 2 * kp, dtype=torch.int64, device=q.device)
         _indexer_topk_kernel[(starts.shape[0], splits)](
             q, weights, index_k, req_to_token, row_req, row_len, starts, ends, q_scale, k_scale, part, cand,
-            row_len if tree is None else tail_start, row_len if tree is None else tail_bits,
+            *((row_len,) * 3 if tree is None else (tail_start, tail_bits, tail_skip)),
             q.stride(0), q.stride(1), weights.stride(0), index_k.stride(0), req_to_token.stride(0),
             q_scale.stride(0), q_scale.stride(1), k_scale.stride(0),
             H, split_len,
@@ -370,21 +374,28 @@ def indexer_topk(
 
 
 def _check_tree(tree, R: int):
-    """(tail_start, tail_bits) as int64 [R], or (None, None) without a tree."""
+    """(tail_start, tail_bits, tail_skip) as int64 [R], or (None,) * 3 without a tree."""
     if tree is None:
-        return None, None
-    tail_start, tail_bits = tree
-    if tail_start.shape != (R,) or tail_bits.shape != (R,) or tail_bits.dtype != torch.int64:
-        raise ValueError(f"tree wants tail_start [R] and int64 tail_bits [R] for R = {R} rows; got "
-                         f"{tuple(tail_start.shape)} and {tuple(tail_bits.shape)} {tail_bits.dtype}")
-    return tail_start.to(torch.int64).contiguous(), tail_bits.contiguous()
+        return None, None, None
+    if len(tree) not in (2, 3):
+        raise ValueError(f"tree wants (tail_start, tail_bits[, tail_skip]); got {len(tree)} tensors")
+    tail_start, tail_bits = tree[:2]
+    tail_skip = tree[2] if len(tree) == 3 else torch.zeros_like(tail_start)
+    if tail_start.shape != (R,) or tail_bits.shape != (R,) or tail_skip.shape != (R,) or tail_bits.dtype != torch.int64:
+        raise ValueError(f"tree wants tail_start, tail_skip [R] and int64 tail_bits [R] for R = {R} rows; got "
+                         f"{tuple(tail_start.shape)}, {tuple(tail_skip.shape)} and {tuple(tail_bits.shape)} "
+                         f"{tail_bits.dtype}")
+    return tail_start.to(torch.int64).contiguous(), tail_bits.contiguous(), tail_skip.to(torch.int64).contiguous()
 
 
-def tree_visible(tail_start: torch.Tensor, tail_bits: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+def tree_visible(tail_start: torch.Tensor, tail_bits: torch.Tensor, positions: torch.Tensor,
+                 tail_skip: torch.Tensor | None = None) -> torch.Tensor:
     """[R, S] whether each row sees each position under a draft tree (see indexer_topk's tree)."""
     rel = positions[None, :] - tail_start[:, None]
+    if tail_skip is not None:
+        rel = rel - tail_skip[:, None]
     bit = (tail_bits[:, None] >> rel.clamp(0, 63)) & 1
-    return (rel < 0) | (bit != 0)
+    return (positions[None, :] < tail_start[:, None]) | ((rel >= 0) & (bit != 0))
 
 
 def indexer_topk_torch(q, weights, index_k, req_to_token, row_req, row_len, topk, return_scores=False,
@@ -396,7 +407,7 @@ def indexer_topk_torch(q, weights, index_k, req_to_token, row_req, row_len, topk
     if group:
         q = dequantize_mxfp8(q, q_scale, group)
     R, H = q.shape[:2]
-    tail_start, tail_bits = _check_tree(tree, R)
+    tail_start, tail_bits, tail_skip = _check_tree(tree, R)
     idx = torch.full((R, topk), -1, dtype=torch.int32, device=q.device)
     scores = torch.full((R, topk), float("-inf"), dtype=torch.float32, device=q.device)
     longest = int(row_len.max()) if R else 0
@@ -413,7 +424,7 @@ def indexer_topk_torch(q, weights, index_k, req_to_token, row_req, row_len, topk
         positions = torch.arange(L, device=s.device)
         s = s.masked_fill(positions[None, :] >= row_len[rows, None], float("-inf"))
         if tree is not None:
-            s = s.masked_fill(~tree_visible(tail_start[rows], tail_bits[rows], positions), float("-inf"))
+            s = s.masked_fill(~tree_visible(tail_start[rows], tail_bits[rows], positions, tail_skip[rows]), float("-inf"))
         sel = topk_positions(s, topk)
         idx[rows] = sel.to(torch.int32)
         scores[rows] = torch.where(sel >= 0, torch.gather(s, 1, sel.clamp(min=0)), float("-inf"))

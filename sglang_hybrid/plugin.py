@@ -107,6 +107,7 @@ def register() -> None:
         "sglang.srt.arg_groups.overrides.supports_mamba_cache_extra_buffer": (_supports_extra_buffer,
                                                                               HookType.AROUND),
         "sglang.srt.server_args.ServerArgs._validate_mamba_extra_buffer": (_validate_extra_buffer, HookType.AROUND),
+        "sglang.srt.arg_groups.speculative_hook._handle_eagle_family": (_eagle_checks, HookType.AROUND),
     }
     for target, (fn, kind) in hooks.items():
         HookRegistry.register(target, fn, kind)
@@ -218,19 +219,27 @@ def _server_defaults(result, server_args, *args, **kwargs):
     if server_args.enable_prefill_cp or (server_args.attn_cp_size or 1) > 1:
         raise ValueError(f"{ARCHITECTURE} does not serve context-parallel prefill yet (--enable-prefill-cp, "
                          f"--attn-cp-size {server_args.attn_cp_size}); run without them")
-    # Tree drafts: the sparse layers give each node its own path through the index (verify
-    # and the draft's steps), at SGLang's page-size-1 draft layout. Not with pages, where
-    # SGLang duplicates the prefix's last page per branch and the index-K would need copying too.
-    topk = server_args.speculative_eagle_topk or 1
-    if server_args.speculative_algorithm and topk > 1:
-        if (server_args.page_size or 1) > 1:
-            raise ValueError(f"{ARCHITECTURE} drafts trees (--speculative-eagle-topk {topk}) only with "
-                             f"--page-size 1 (got {server_args.page_size})")
     if (server_args.speculative_algorithm or "").upper() == "STANDALONE":
         _standalone_draft(server_args)
     # The sparse layer's indexer is eager Python for now; decode graphs are captured.
     if (Phase.PREFILL, "backend") not in server_args._cuda_graph_config_locked:
         server_args.cuda_graph_config.prefill.backend = Backend.DISABLED
+
+
+def _eagle_checks(original, server_args, *args, **kwargs):
+    """SGLang admits tree drafts with pages (--speculative-eagle-topk > 1, --page-size > 1)
+    only on attention backends that read each branch's page-aligned region in a second
+    pass (flashinfer, fa3, triton). Ours gives every tree row its own path directly
+    (draft_tree_rows for the draft's steps, the verify's node paths), so its check is
+    made as for one of those; the rest of the check runs unchanged."""
+    topk, page = server_args.speculative_eagle_topk or 1, server_args.page_size or 1
+    if not (topk > 1 and page > 1 and server_args.attention_backend in (ATTENTION_BACKEND, FLASHMLA_ATTENTION_BACKEND)):
+        return original(server_args, *args, **kwargs)
+    ours, server_args.attention_backend = server_args.attention_backend, "triton"
+    try:
+        return original(server_args, *args, **kwargs)
+    finally:
+        server_args.attention_backend = ours
 
 
 def _standalone_draft(server_args) -> None:

@@ -120,6 +120,31 @@ def test_tree_rows_see_only_their_path(parents, block_m):
         assert got == path, f"row {r}"
 
 
+def test_paged_tree_draft_rows_skip_other_branches_pages():
+    """A paged tree draft's rows (tree with tail_skip, from draft_tree_rows at page 64): the
+    kernel equals the reference, and the reference equals the plain ranking of every
+    position filtered to the prefix and the row's own branch (none of the positions skipped)."""
+    from sglang_hybrid.layers.sparse_mla_backend import draft_tree_rows
+
+    topk, num_steps, step, page = 3, 3, 1, 64
+    seq_lens = torch.tensor([40, 90, 17])
+    row_req, row_len, tree = draft_tree_rows(torch.arange(3), seq_lens, step, topk, num_steps, page)
+    args = _case(row_len.tolist(), row_req.tolist(), 4, 16, int(row_len.max()), integer=True, dtype=torch.float32)
+    tree = tuple(t.to(DEVICE) for t in tree)
+    idx, scores = indexer_topk(*args, 16, return_scores=True, block_s=16, tree=tree)
+    ref_idx, ref_scores = indexer_topk_torch(*args, 16, return_scores=True, tree=tree)
+    assert torch.equal(idx.cpu(), ref_idx.cpu())
+    assert torch.equal(scores.cpu(), ref_scores.cpu())
+    every, every_scores = indexer_topk_torch(*args, int(row_len.max()), return_scores=True)
+    for r in range(len(row_len)):
+        start, own = int(tree[0][r]), int(tree[0][r] + tree[2][r])
+        path = [(int(p), float(v)) for p, v in zip(every[r].tolist(), every_scores[r].tolist())
+                if p >= 0 and (p < start or own <= p <= own + step)][:16]
+        got = [(int(p), float(v)) for p, v in zip(ref_idx[r].tolist(), ref_scores[r].tolist()) if p >= 0]
+        assert got == path, f"row {r}"
+    assert int(tree[2].max()) > 64  # branches beyond the bits' width: the skip, not the bits, reaches them
+
+
 def test_tree_wants_one_start_and_int64_bits_per_row():
     args = _case([5, 6], [0, 0], 4, 16, 8, integer=True, dtype=torch.float32)
     with pytest.raises(ValueError, match="tree wants tail_start"):
@@ -252,28 +277,31 @@ def test_rejects_unsupported_head_dim():
         indexer_topk(*args, 4)
 
 
+@pytest.mark.parametrize("page_size", [1, 4, 16])
 @pytest.mark.parametrize("topk, num_steps", [(2, 3), (3, 4), (4, 2)])
-def test_tree_draft_rows_see_what_sglang_draft_attention_reads(topk, num_steps):
+def test_tree_draft_rows_see_what_sglang_draft_attention_reads(topk, num_steps, page_size):
     """The sparse draft head's tree rows (backend.draft_tree_rows) see exactly the positions
     SGLang's own draft attention reads at each step: its kv indices from
-    generate_draft_decode_kv_indices (run here in the interpreter) at page size 1."""
+    generate_draft_decode_kv_indices (run here in the interpreter), at page size 1 and with
+    pages (each branch in its own page-aligned region)."""
     from sglang_hybrid.layers.sparse_mla_backend import draft_tree_rows
 
     cache_locs = import_kernels("sglang.kernels.ops.speculative.cache_locs", reload=True)
     seq_lens = torch.tensor([5, 9, 1], dtype=torch.int64)
     req_pool_indices = torch.tensor([2, 0, 1], dtype=torch.int64)
-    bs, pool_len = len(seq_lens), 32
-    req_to_token = torch.arange(3 * pool_len, dtype=torch.int32).view(3, pool_len)  # slot = req * 32 + position
+    bs, pool_len = len(seq_lens), 64
+    req_to_token = torch.arange(3 * pool_len, dtype=torch.int32).view(3, pool_len)  # slot = req * 64 + position
     width = int(seq_lens.sum()) * topk + bs * topk * num_steps
     kv_indices = torch.full((num_steps, width), -1, dtype=torch.int32)
     kv_indptr = torch.zeros((num_steps, bs * topk + 1), dtype=torch.int32)
     positions = seq_lens.repeat_interleave(topk)
     cache_locs.generate_draft_decode_kv_indices[(num_steps, bs, topk)](
         req_pool_indices, req_to_token, seq_lens, kv_indices, kv_indptr, positions, pool_len, width,
-        bs * topk + 1, 4, 1 << (num_steps - 1).bit_length(), 1 << (bs * topk - 1).bit_length(), 1)
+        bs * topk + 1, 4, 1 << (num_steps - 1).bit_length(), 1 << (bs * topk - 1).bit_length(), page_size)
     for step in range(num_steps - 1):
-        row_req, row_len, (tail, bits) = draft_tree_rows(req_pool_indices, seq_lens, step, topk, num_steps)
-        visible = _module.tree_visible(tail, bits, torch.arange(pool_len)) & (torch.arange(pool_len) < row_len[:, None])
+        row_req, row_len, tree = draft_tree_rows(req_pool_indices, seq_lens, step, topk, num_steps, page_size)
+        visible = (_module.tree_visible(tree[0], tree[1], torch.arange(pool_len), tree[2])
+                   & (torch.arange(pool_len) < row_len[:, None]))
         for r in range(bs * topk):
             ours = sorted((req_to_token[row_req[r], visible[r]]).tolist())
             lo, hi = kv_indptr[step, r], kv_indptr[step, r + 1]

@@ -204,8 +204,6 @@ def test_logprobs_match_golden(server, golden, tolerance):
      "runs only on --attention-backend hybrid_linear_sparse or hybrid_linear_sparse_flashmla"),
     (["--attention-backend", "hybrid_linear_sparse_flashmla"], "FlashMLA sparse attention needs a Hopper or newer GPU"),
     (["--enable-prefill-cp", "--cp-strategy", "zigzag"], "does not serve context-parallel prefill yet"),
-    (["--speculative-algorithm", "NEXTN", "--speculative-num-steps", "2", "--speculative-eagle-topk", "2",
-      "--speculative-num-draft-tokens", "4", "--page-size", "16"], "drafts trees (--speculative-eagle-topk 2) only with"),
     (["--speculative-algorithm", "STANDALONE", "--speculative-draft-model-path", "{checkpoint}",
       "--speculative-num-steps", "2", "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "3"],
      "a hybrid draft needs KDA state slots of its own"),

@@ -144,15 +144,18 @@ def test_random_draft_head_changes_nothing(spec_server, checkpoint, golden):
     assert rate < 0.1, f"a random draft head agreed {rate:.2f} of the time"
 
 
-@pytest.mark.parametrize("scale, topk, draft_tokens", [(0.3, 2, 6), (0.0, 2, 5), (0.3, 3, 8)])
-def test_tree_drafts_equal_golden(spec_server, tmp_path_factory, scale, topk, draft_tokens):
+@pytest.mark.parametrize("scale, topk, draft_tokens, page", [(0.3, 2, 6, 1), (0.0, 2, 5, 1), (0.3, 3, 8, 1),
+                                                             (0.3, 2, 6, 16)])
+def test_tree_drafts_equal_golden(spec_server, tmp_path_factory, scale, topk, draft_tokens, page):
     """Tree drafts (--speculative-eagle-topk > 1): the verify scores every node with the
     index restricted to its own path, the draft head's steps each branch over its own
     steps, the KDA verify follows the tree. Tokens equal the golden model's; with the perfect
-    head every verify accepts the whole depth; at 0.3, some but not all drafts."""
+    head every verify accepts the whole depth; at 0.3, some but not all drafts. With pages
+    (page 16: SGLang gives each branch its own page-aligned region), the same."""
     steps = 3
     checkpoint, golden = _checkpoint(tmp_path_factory, f"tree_{scale}", near_bigram=scale)
-    srv = spec_server(checkpoint, steps, f"tree_{scale}_{topk}_{draft_tokens}", topk=topk, draft_tokens=draft_tokens)
+    srv = spec_server(checkpoint, steps, f"tree_{scale}_{topk}_{draft_tokens}_{page}", ["--page-size", str(page)],
+                      topk=topk, draft_tokens=draft_tokens)
     results = _generate_all(srv.url, PROMPTS)
     for ids, res in zip(PROMPTS, results):
         assert res["output_ids"] == golden.generate(ids, NEW_TOKENS), f"prompt of {len(ids)} tokens"

@@ -32,15 +32,21 @@ from sglang_hybrid.layers.draft_tree import draft_tree_paths
 _EXTEND_ROW_BLOCK = 4
 
 
-def draft_tree_rows(req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, step: int, topk: int, num_steps: int):
+def draft_tree_rows(req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, step: int, topk: int, num_steps: int,
+                    page_size: int = 1):
     """The draft head's step `step` of a tree draft: row (request b, branch k), b-major, wrote
-    its token at req_to_token[seq_len + k * num_steps + step] and sees the prefix and its own
-    branch's steps 0..step (SGLang's draft layout at page size 1, as its own draft backends
-    read it, `generate_draft_decode_kv_indices`). (row_req, row_len, tree) for indexer_topk."""
+    its token at req_to_token[seq_len + k * stride + step] and sees the prefix and its own
+    branch's steps 0..step, none of the positions between (SGLang's draft layout, as its own
+    draft backends read it, `generate_draft_decode_kv_indices`). stride: num_steps at page
+    size 1; with pages, each branch's page-aligned region, whose first slots hold copies of
+    the prefix's partial last page (skipped here: the row reads the originals).
+    (row_req, row_len, tree) for indexer_topk."""
     branch = torch.arange(topk, device=seq_lens.device).repeat(seq_lens.numel())
-    tail = seq_lens.repeat_interleave(topk)
-    bits = ((1 << (step + 1)) - 1) << (branch.long() * num_steps)
-    return req_pool_indices.repeat_interleave(topk), tail + topk * num_steps, (tail, bits)
+    tail = seq_lens.repeat_interleave(topk).long()
+    stride = num_steps if page_size == 1 else (tail % page_size + num_steps + page_size - 1) // page_size * page_size
+    skip = branch * stride
+    bits = torch.full_like(tail, (1 << (step + 1)) - 1)
+    return req_pool_indices.repeat_interleave(topk), tail + skip + step + 1, (tail, bits, skip)
 
 
 class SparseMLAAttnBackend(AttentionBackend):
@@ -48,6 +54,7 @@ class SparseMLAAttnBackend(AttentionBackend):
         """draft_step: (step, topk, num_steps) for the draft head's step `step` of a tree draft."""
         super().__init__()
         self.draft_step = draft_step
+        self.page_size = model_runner.page_size
         self._verify_tree = self._tree_links = self._tree_link_bufs = None
         args = model_runner.server_args
         # (topk, draft tokens) of a target that verifies drafts
@@ -181,7 +188,7 @@ class SparseMLAAttnBackend(AttentionBackend):
         # the prefix and the steps so far in the draft head's later steps.
         if self.draft_step is not None and self.draft_step[1] > 1:
             row_req, row_len, tree = draft_tree_rows(forward_batch.req_pool_indices, forward_batch.seq_lens,
-                                                     *self.draft_step)
+                                                     *self.draft_step, self.page_size)
             return self._forward(q, k, v, layer, forward_batch, save_kv_cache, index_q, index_q_scale, index_k,
                                  index_weights, row_req, row_len, tree=tree)
         return self._forward(q, k, v, layer, forward_batch, save_kv_cache, index_q, index_q_scale, index_k,
