@@ -48,7 +48,8 @@ part() {
     spec-tiny) run spec-tiny 300 tests/test_speculative.py -k "mixed or perfect" --preset tiny ;;
     spec-tiny-rest) run spec-tiny-rest 280 tests/test_speculative.py -k "random or low_acceptance" --preset tiny ;;
     # Tree drafts (--speculative-eagle-topk 2 and 3) against the golden model, CUDA graphs on.
-    spec-tree) run spec-tree 420 tests/test_speculative.py -k tree --preset tiny ;;
+    spec-tree) run spec-tree 420 tests/test_speculative.py -k "tree and not 16" --preset tiny ;;
+    spec-tree-paged) run spec-tree-paged 200 tests/test_speculative.py -k "tree and 16" --preset tiny ;;
     spec-standalone) run spec-standalone 300 tests/test_speculative.py -k standalone --preset tiny ;;
     spec-tree-topk3) run spec-tree-topk3 180 tests/test_speculative.py -k "tree and 3-8" --preset tiny ;;
     # Rollback bit for bit (SGLang's gather-scatter), and decode snapshots under speculation.
