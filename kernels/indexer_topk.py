@@ -217,7 +217,8 @@ def _indexer_topk_kernel(
     n_max = tl.minimum(tl.max(n, axis=0), lo + SPLIT_LEN)  # the block's longest history, in this split
     for s0 in range(lo, n_max, BLOCK_S):  # score a tile; keep only the keys that beat the running KP-th best
         key = _tile_keys(s0, n, n_max, req, q, w, table_ptr, k_ptr, ks_ptr, stride_table, stride_k, stride_ks,
-                         offs_d, tail0, tail_bits, tail_skip, NONE, D, BLOCK_M, BLOCK_H, BLOCK_S, GROUP, DOT_DTYPE, TREE)
+                         offs_d, tail0, tail_bits, tail_skip, NONE, D, BLOCK_M, BLOCK_H, BLOCK_S, GROUP, DOT_DTYPE,
+                         TREE)
         beats = key > bar[:, None]
         if tl.max(tl.max(beats.to(tl.int32), axis=1), axis=0) > 0:  # late in a history, most tiles add nothing
             at = count[:, None] + tl.cumsum(beats.to(tl.int32), axis=1) - 1
@@ -424,7 +425,8 @@ def indexer_topk_torch(q, weights, index_k, req_to_token, row_req, row_len, topk
         positions = torch.arange(L, device=s.device)
         s = s.masked_fill(positions[None, :] >= row_len[rows, None], float("-inf"))
         if tree is not None:
-            s = s.masked_fill(~tree_visible(tail_start[rows], tail_bits[rows], positions, tail_skip[rows]), float("-inf"))
+            visible = tree_visible(tail_start[rows], tail_bits[rows], positions, tail_skip[rows])
+            s = s.masked_fill(~visible, float("-inf"))
         sel = topk_positions(s, topk)
         idx[rows] = sel.to(torch.int32)
         scores[rows] = torch.where(sel >= 0, torch.gather(s, 1, sel.clamp(min=0)), float("-inf"))

@@ -13,9 +13,10 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from sglang_hybrid.checkpoints.presets import WITH_WEIGHTS, preset_config
 from sglang_hybrid.checkpoints.tokenizer import train_tokenizer
@@ -203,19 +204,19 @@ def make_dense_draft(target_dir: str, out_dir: str, num_layers: int = 2, seed: i
     into the residual stream. Its logits are the target's bigram logits, so against a
     near-bigram target it agrees as often as the checkpoint's own draft head does. Every
     layer still runs and fills its KV cache."""
-    from transformers import AutoTokenizer, LlamaConfig
+    from transformers import LlamaConfig
 
     with open(os.path.join(target_dir, "config.json")) as f:
         target = json.load(f)
+    files = sorted(os.listdir(target_dir))
     weights = {}
-    for name in sorted(os.listdir(target_dir)):
+    for name in files:
         if name.endswith(".safetensors"):
-            from safetensors.torch import load_file
-
             weights.update(load_file(os.path.join(target_dir, name)))
     if "lm_head.weight" not in weights:
         raise ValueError(f"{target_dir} has no weights with an lm_head (a config-only preset?)")
-    D, heads, kv_heads, head_dim, inter = target["hidden_size"], 4, 2, target["hidden_size"] // 4, 2 * target["hidden_size"]
+    D = target["hidden_size"]
+    heads, kv_heads, head_dim, inter = 4, 2, D // 4, 2 * D
     config = LlamaConfig(vocab_size=target["vocab_size"], hidden_size=D, intermediate_size=inter,
                          num_hidden_layers=num_layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
                          max_position_embeddings=target["max_position_embeddings"],
@@ -232,12 +233,15 @@ def make_dense_draft(target_dir: str, out_dir: str, num_layers: int = 2, seed: i
         p = f"model.layers.{i}."
         for name, shape in shapes.items():
             zero = name.endswith(("o_proj", "down_proj"))  # nothing written into the residual stream
-            w[p + name + ".weight"] = torch.zeros(shape) if zero else torch.randn(shape, generator=g) / math.sqrt(shape[1])
+            w[p + name + ".weight"] = (torch.zeros(shape) if zero
+                                       else torch.randn(shape, generator=g) / math.sqrt(shape[1]))
         w[p + "input_layernorm.weight"] = torch.ones(D)
         w[p + "post_attention_layernorm.weight"] = torch.ones(D)
     os.makedirs(out_dir, exist_ok=True)
     config.save_pretrained(out_dir)
-    AutoTokenizer.from_pretrained(target_dir).save_pretrained(out_dir)
+    for name in files:  # the tokenizer's files, as they are
+        if name.startswith(("tokenizer", "special_tokens", "chat_template")):
+            shutil.copy(os.path.join(target_dir, name), out_dir)
     dtype = _DTYPES[target["torch_dtype"]]
     _save_sharded({k: v.to(dtype) for k, v in w.items()}, out_dir)
     return out_dir
