@@ -136,6 +136,10 @@ def _draft_architecture(result, model_config, *args, **kwargs):
 def _draft_decode_backend(original, factory):
     """The draft head's steps after the first, each a decode over its own rows."""
     if not _is_ours(factory.draft_model_runner.model_config.hf_config):
+        if factory.draft_model_runner.device == "cpu":  # a dense standalone draft
+            from sglang_hybrid.cpu_support.dense_draft import DenseDraftMultiStepBackend
+
+            return DenseDraftMultiStepBackend(factory.draft_model_runner, factory.speculative_num_steps)
         return original(factory)
     if factory.speculative_num_steps <= 1:
         return None
@@ -149,6 +153,10 @@ def _draft_decode_backend(original, factory):
 def _draft_extend_backend(original, factory):
     """The draft head's extend over the target's verified tokens."""
     if not _is_ours(factory.draft_model_runner.model_config.hf_config):
+        if factory.draft_model_runner.device == "cpu":  # a dense standalone draft
+            from sglang_hybrid.cpu_support.dense_draft import DenseDraftAttnBackend
+
+            return DenseDraftAttnBackend(factory.draft_model_runner)
         return original(factory)
     from sglang_hybrid.layers.sparse_mla_backend import SparseMLAAttnBackend
 
@@ -246,7 +254,8 @@ def _standalone_draft(server_args) -> None:
     """SGLang's standalone mode runs a separate draft model on the target's request pools
     and token allocator, with a KV pool of its own. A dense draft needs nothing else; a
     hybrid one (this family's) would need recurrent-state slots of its own, which the
-    shared pools do not give. The draft's attention is SGLang's, not ours."""
+    shared pools do not give. The draft's attention: SGLang's triton on a GPU (unless
+    --speculative-draft-attention-backend says otherwise), cpu_support.dense_draft on CPU."""
     from transformers import AutoConfig
 
     path = server_args.speculative_draft_model_path
@@ -260,10 +269,11 @@ def _standalone_draft(server_args) -> None:
                          "needs KDA state slots of its own. Use a dense draft model, or --speculative-algorithm "
                          "NEXTN with the checkpoint's own draft head")
     if server_args.device == "cpu":
-        raise ValueError("--speculative-algorithm STANDALONE needs a GPU: SGLang's only CPU attention backend for "
-                         "a dense draft's steps (intel_amx) needs sgl-kernel's CPU build; --speculative-algorithm "
-                         "NEXTN runs on CPU")
-    if not server_args.speculative_draft_attention_backend:
+        if (server_args.speculative_eagle_topk or 1) > 1:
+            raise ValueError("--speculative-algorithm STANDALONE drafts chains only on CPU (--speculative-eagle-topk "
+                             "1): the CPU draft attention (cpu_support.dense_draft) does not separate tree branches")
+        server_args.speculative_draft_attention_backend = "torch_native"
+    elif not server_args.speculative_draft_attention_backend:
         server_args.speculative_draft_attention_backend = "triton"
 
 

@@ -208,8 +208,8 @@ def test_logprobs_match_golden(server, golden, tolerance):
       "--speculative-num-steps", "2", "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "3"],
      "a hybrid draft needs KDA state slots of its own"),
     (["--speculative-algorithm", "STANDALONE", "--speculative-draft-model-path", "{dense_draft}",
-      "--speculative-num-steps", "2", "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "3"],
-     "STANDALONE needs a GPU"),
+      "--speculative-num-steps", "2", "--speculative-eagle-topk", "2", "--speculative-num-draft-tokens", "4"],
+     "STANDALONE drafts chains only on CPU"),
 ])
 def test_unservable_arguments_stop_the_server_with_their_reason(checkpoint, tmp_path, args, reason):
     from sglang_hybrid.checkpoints.maker import make_dense_draft

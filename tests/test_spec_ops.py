@@ -120,3 +120,22 @@ def test_cache_slot_ops():
     accepted = torch.zeros(4, dtype=torch.long)
     spec_ops.fill_accept_out_cache_loc_cpu(torch.tensor([[0, 2, -1], [3, -1, -1]]), torch.arange(6) + 50, accepted)
     assert accepted[:3].tolist() == [50, 52, 53]
+
+
+def test_kv_row_copy_matches_sglang_native_move():
+    """copy_all_layer_kv_cache_cpu (raw buffer addresses and byte strides, as SGLang's MHA pool
+    passes them) against SGLang's move_kv_cache_native on the same buffers, with a target
+    that is also a source: every source is read before any target is written."""
+    from sglang.srt.mem_cache.memory_pool import move_kv_cache_native
+
+    g = torch.Generator().manual_seed(0)
+    k = [torch.randn(12, 2, 8, generator=g) for _ in range(3)]
+    v = [torch.randn(12, 2, 4, generator=g).half() for _ in range(3)]
+    tgt, src = torch.tensor([5, 9, 2, 7]), torch.tensor([2, 3, 11, 5])
+    want_k, want_v = [t.clone() for t in k], [t.clone() for t in v]
+    move_kv_cache_native(want_k, want_v, tgt, src)
+    buffers = k + v
+    spec_ops.copy_all_layer_kv_cache_cpu(torch.tensor([t.data_ptr() for t in buffers]),
+                                         torch.tensor([t[0].nbytes for t in buffers]), tgt, src)
+    for got, want in zip(buffers, want_k + want_v):
+        assert torch.equal(got, want)

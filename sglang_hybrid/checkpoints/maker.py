@@ -198,12 +198,13 @@ def _save_sharded(weights: dict[str, torch.Tensor], out_dir: str) -> None:
         json.dump({"metadata": {"total_size": sum(t.nbytes for t in weights.values())}, "weight_map": index}, f, indent=1)
 
 
-def make_dense_draft(target_dir: str, out_dir: str, num_layers: int = 2, seed: int = 0) -> str:
+def make_dense_draft(target_dir: str, out_dir: str, num_layers: int = 2, seed: int = 0,
+                     scale: float = 0.0) -> str:
     """A standalone draft model for SGLang's STANDALONE mode: a small LlamaForCausalLM with
-    the target's tokenizer, embedding, final norm and LM head, whose layers write nothing
-    into the residual stream. Its logits are the target's bigram logits, so against a
-    near-bigram target it agrees as often as the checkpoint's own draft head does. Every
-    layer still runs and fills its KV cache."""
+    the target's tokenizer, embedding, final norm and LM head, whose layers write `scale`
+    times their output into the residual stream. At 0 its logits are the target's bigram
+    logits, so against a near-bigram target it agrees as often as the checkpoint's own draft
+    head does; above 0 its attention over the context changes its choices too."""
     from transformers import LlamaConfig
 
     with open(os.path.join(target_dir, "config.json")) as f:
@@ -232,9 +233,8 @@ def make_dense_draft(target_dir: str, out_dir: str, num_layers: int = 2, seed: i
     for i in range(num_layers):
         p = f"model.layers.{i}."
         for name, shape in shapes.items():
-            zero = name.endswith(("o_proj", "down_proj"))  # nothing written into the residual stream
-            w[p + name + ".weight"] = (torch.zeros(shape) if zero
-                                       else torch.randn(shape, generator=g) / math.sqrt(shape[1]))
+            t = torch.randn(shape, generator=g) / math.sqrt(shape[1])
+            w[p + name + ".weight"] = t * scale if name.endswith(("o_proj", "down_proj")) else t
         w[p + "input_layernorm.weight"] = torch.ones(D)
         w[p + "post_attention_layernorm.weight"] = torch.ones(D)
     os.makedirs(out_dir, exist_ok=True)

@@ -2,8 +2,8 @@
 
 On CPU, SGLang's EAGLE worker imports its bookkeeping ops from `sgl_kernel` (Intel's
 CPU build, not on PyPI): the draft's and the accepted tokens' cache slots, the bonus
-tokens, the draft tree and the greedy tree verification; and SGLang's state commit after verify is a
-Triton kernel. These are the same computations as SGLang's own Triton
+tokens, the draft tree and the greedy tree verification, and a dense standalone draft's KV
+row copies; and SGLang's state commit after verify is a Triton kernel. These are the same computations as SGLang's own Triton
 kernels (sglang/kernels/ops/speculative/cache_locs.py and spec_tree.py), one request
 at a time in Python: the batches a CPU serves are small. The `sgl_kernel` stand-in
 (cpu_support) hands them out under the names SGLang imports.
@@ -146,7 +146,23 @@ def scatter_mamba_states_after_verify(original, mamba_caches, state_indices, las
         scatter(track_indices, steps_to_track)
 
 
-CPU_OPS = {f.__name__: f for f in (assign_draft_cache_locs_contiguous_cpu, assign_extend_cache_locs_cpu,
-                                   assign_req_to_token_pool_cpu, fill_bonus_tokens_cpu,
+def copy_all_layer_kv_cache_cpu(data_ptrs, strides, tgt_loc, src_loc):
+    """An MHA pool's token rows copied src -> tgt in every layer's K and V buffer
+    (cache_move.copy_all_layer_kv_cache_tiled): data_ptrs holds each buffer's address,
+    strides its bytes per token. All sources are read before any target is written, as
+    in the parallel kernel. A dense standalone draft's pool runs it."""
+    import ctypes
+
+    if tgt_loc.numel() == 0:
+        return
+    rows = int(torch.maximum(tgt_loc.max(), src_loc.max())) + 1
+    for ptr, stride in zip(data_ptrs.tolist(), strides.tolist()):
+        view = torch.frombuffer((ctypes.c_uint8 * (rows * stride)).from_address(ptr), dtype=torch.uint8)
+        view = view.view(rows, stride)
+        view[tgt_loc] = view[src_loc]  # advanced indexing: every source read before any write
+
+
+CPU_OPS = {f.__name__: f for f in (copy_all_layer_kv_cache_cpu, assign_draft_cache_locs_contiguous_cpu,
+                                   assign_extend_cache_locs_cpu, assign_req_to_token_pool_cpu, fill_bonus_tokens_cpu,
                                    fill_accept_out_cache_loc_cpu, build_tree_kernel_efficient_cpu,
                                    verify_tree_greedy_cpu)}
