@@ -73,3 +73,17 @@ def test_snapshot_rows_map_to_requests_and_tokens():
     assert states[torch.tensor([5])].shape == (1, 2, 2)
     with pytest.raises(IndexError, match="only the tracked chunk states"):
         states[torch.tensor([4])]
+
+
+def test_unpinned_torch_tensor_still_follows_device_contexts():
+    """cpu_support wraps torch.tensor (to drop pin_memory); tensors made inside a device
+    context still land on its device (transformers builds models under `torch.device("meta")`:
+    a CPU tensor there left a Llama's RoPE inv_freq uninitialised)."""
+    import torch
+
+    from sglang_hybrid import cpu_support
+
+    if not cpu_support.gpu_available():
+        assert torch.tensor.__module__ == cpu_support.__name__  # the wrapper is in place
+    with torch.device("meta"):
+        assert torch.tensor([1.0], pin_memory=False).device.type == "meta"

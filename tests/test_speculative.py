@@ -21,8 +21,6 @@ import concurrent.futures
 import json
 import os
 import re
-import subprocess
-import sys
 from collections import Counter
 
 import pytest
@@ -171,41 +169,23 @@ def test_tree_drafts_equal_golden(spec_server, tmp_path_factory, scale, topk, dr
         assert 0 < accepted < steps * verifies, f"{accepted} drafts accepted over {verifies} verifies"
 
 
-_STANDALONE_LOOP = """
-import json, sys, torch
-from transformers import LlamaForCausalLM
-a = json.loads(sys.argv[1])
-draft = LlamaForCausalLM.from_pretrained(a["draft"], torch_dtype=torch.float32).eval()
-ids, target, steps = a["ids"], a["target"], a["steps"]
-done, accepted = 1, []
-while done < a["new_tokens"]:
-    ctx = (ids + target[:done])[1:]
-    with torch.no_grad():
-        for _ in range(steps):
-            ctx.append(int(draft(torch.tensor([ctx])).logits[0, -1].argmax()))
-    m = next((j for j, d in enumerate(ctx[-steps:]) if d != target[done + j]), steps)
-    accepted.append(m)
-    done += m + 1
-print(json.dumps(accepted))
-"""
-
-
-def _standalone_golden_accepts(golden, draft_dir, ids, new_tokens, steps):
+def _standalone_golden_accepts(golden, draft, ids, new_tokens, steps):
     """Accepted drafts per verify of greedy standalone decoding as SGLang runs it: the draft
     model (transformers' Llama) proposes `steps` tokens greedily from everything kept so far,
     shifted by one as SGLang's EAGLE worker feeds any draft (token p + 1 at position p); the
     longest prefix the target's greedy continuation agrees with is kept, plus the target's
-    next token. In a process of its own: under this process's sgl_kernel stand-in
-    (cpu_support) transformers leaves the Llama's RoPE inv_freq uninitialised."""
-    from sglang_hybrid.cpu_support import SITE_DIR
-
-    args = {"draft": draft_dir, "ids": list(ids), "target": golden.generate(ids, new_tokens + steps + 1),
-            "steps": steps, "new_tokens": new_tokens}
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-        p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p != SITE_DIR))
-    out = subprocess.run([sys.executable, "-c", _STANDALONE_LOOP, json.dumps(args)], env=env, check=True,
-                         capture_output=True, text=True).stdout
-    return json.loads(out.strip().splitlines()[-1])
+    next token."""
+    target = golden.generate(ids, new_tokens + steps + 1)
+    done, accepted = 1, []  # the prefill gives the first token
+    while done < new_tokens:
+        ctx = (list(ids) + target[:done])[1:]
+        with torch.no_grad():
+            for _ in range(steps):
+                ctx.append(int(draft(torch.tensor([ctx])).logits[0, -1].argmax()))
+        m = next((j for j, d in enumerate(ctx[-steps:]) if d != target[done + j]), steps)
+        accepted.append(m)
+        done += m + 1
+    return accepted
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU draft attention; the GPU test runs SGLang's triton")
@@ -215,6 +195,8 @@ def test_standalone_dense_draft_equals_golden_on_cpu(spec_server, tmp_path_facto
     (cpu_support.dense_draft). Tokens equal the golden model's, and every verify accepts
     exactly as many drafts as a greedy loop with the same draft in transformers: the draft
     read its context right at its prefill, its steps and its extends."""
+    from transformers import LlamaForCausalLM
+
     from sglang_hybrid.checkpoints.maker import make_dense_draft
 
     steps = 3
@@ -222,11 +204,12 @@ def test_standalone_dense_draft_equals_golden_on_cpu(spec_server, tmp_path_facto
     draft_dir = make_dense_draft(checkpoint, str(tmp_path_factory.mktemp("dense_draft_cpu")), scale=0.3)
     srv = spec_server(checkpoint, steps, "standalone_cpu", ["--speculative-draft-model-path", draft_dir],
                       algorithm="STANDALONE")
+    draft = LlamaForCausalLM.from_pretrained(draft_dir, torch_dtype=torch.float32).eval()
     results = _generate_all(srv.url, PROMPTS)
     proposed = accepted_total = 0
     for ids, res in zip(PROMPTS, results):
         assert res["output_ids"] == golden.generate(ids, NEW_TOKENS), f"prompt of {len(ids)} tokens"
-        expected = Counter(_standalone_golden_accepts(golden, draft_dir, ids, NEW_TOKENS, steps))
+        expected = Counter(_standalone_golden_accepts(golden, draft, ids, NEW_TOKENS, steps))
         served = res["meta_info"]["spec_accept_histogram"]
         assert served + [0] * (steps + 1 - len(served)) == [expected.get(i, 0) for i in range(steps + 1)], \
             f"prompt of {len(ids)} tokens: accepted drafts per verify"

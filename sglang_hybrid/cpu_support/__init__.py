@@ -126,6 +126,12 @@ def _unpinned_host_memory() -> None:
     path (extra_buffer) pins its index tensors unconditionally; pinning only speeds up
     copies to a GPU, so without one it becomes a no-op."""
     import torch
+    from torch.utils._device import _device_constructors
+
+    # torch's device contexts (`with torch.device("meta")`, which transformers' model init
+    # uses) know their factories by identity, cached on first use: cache the real
+    # torch.tensor, which the wrapper calls, or tensors made in such a context land on the CPU.
+    _device_constructors()
 
     def tensor(*args, pin_memory=False, **kwargs):
         return make_tensor(*args, **kwargs)
