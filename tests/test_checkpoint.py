@@ -7,22 +7,14 @@ import os
 import subprocess
 import sys
 
-from safetensors.torch import load_file
-
-
-def _weights(path):
-    out = {}
-    for name in sorted(os.listdir(path)):
-        if name.endswith(".safetensors"):
-            out.update(load_file(os.path.join(path, name)))
-    return out
+from sglang_hybrid.checkpoints.maker import load_weights
 
 
 def test_cli_writes_a_loadable_checkpoint_deterministic_in_the_seed(tmp_path):
     for name, seed in (("a", 1), ("b", 1), ("c", 2)):
         subprocess.run([sys.executable, "-m", "sglang_hybrid.cli", "make-checkpoint", "--preset", "tiny",
                         "--out", str(tmp_path / name), "--seed", str(seed)], check=True, capture_output=True)
-    a, b, c = (_weights(tmp_path / n) for n in "abc")
+    a, b, c = (load_weights(tmp_path / n) for n in "abc")
     assert a.keys() == b.keys() == c.keys()
     assert all((a[k] == b[k]).all() for k in a)
     assert any((a[k] != c[k]).any() for k in a)

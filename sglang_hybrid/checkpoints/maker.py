@@ -198,6 +198,15 @@ def _save_sharded(weights: dict[str, torch.Tensor], out_dir: str) -> None:
         json.dump({"metadata": {"total_size": sum(t.nbytes for t in weights.values())}, "weight_map": index}, f, indent=1)
 
 
+def load_weights(checkpoint_dir: str) -> dict[str, torch.Tensor]:
+    """Every tensor of a checkpoint folder's *.safetensors shards (what _save_sharded writes)."""
+    weights: dict[str, torch.Tensor] = {}
+    for name in sorted(os.listdir(checkpoint_dir)):
+        if name.endswith(".safetensors"):
+            weights.update(load_file(os.path.join(checkpoint_dir, name)))
+    return weights
+
+
 def make_dense_draft(target_dir: str, out_dir: str, num_layers: int = 2, seed: int = 0,
                      scale: float = 0.0) -> str:
     """A standalone draft model for SGLang's STANDALONE mode: a small LlamaForCausalLM with
@@ -209,11 +218,7 @@ def make_dense_draft(target_dir: str, out_dir: str, num_layers: int = 2, seed: i
 
     with open(os.path.join(target_dir, "config.json")) as f:
         target = json.load(f)
-    files = sorted(os.listdir(target_dir))
-    weights = {}
-    for name in files:
-        if name.endswith(".safetensors"):
-            weights.update(load_file(os.path.join(target_dir, name)))
+    weights = load_weights(target_dir)
     if "lm_head.weight" not in weights:
         raise ValueError(f"{target_dir} has no weights with an lm_head (a config-only preset?)")
     D = target["hidden_size"]
@@ -239,7 +244,7 @@ def make_dense_draft(target_dir: str, out_dir: str, num_layers: int = 2, seed: i
         w[p + "post_attention_layernorm.weight"] = torch.ones(D)
     os.makedirs(out_dir, exist_ok=True)
     config.save_pretrained(out_dir)
-    for name in files:  # the tokenizer's files, as they are
+    for name in sorted(os.listdir(target_dir)):  # the tokenizer's files, as they are
         if name.startswith(("tokenizer", "special_tokens", "chat_template")):
             shutil.copy(os.path.join(target_dir, name), out_dir)
     dtype = _DTYPES[target["torch_dtype"]]

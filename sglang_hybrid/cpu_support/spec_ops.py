@@ -3,8 +3,8 @@
 On CPU, SGLang's EAGLE worker imports its bookkeeping ops from `sgl_kernel` (Intel's
 CPU build, not on PyPI): the draft's and the accepted tokens' cache slots, the bonus
 tokens, the draft tree and the greedy tree verification, and a dense standalone draft's KV
-row copies; and SGLang's state commit after verify is a Triton kernel. These are the same computations as SGLang's own Triton
-kernels (sglang/kernels/ops/speculative/cache_locs.py and spec_tree.py), one request
+row copies; and SGLang's state commit after verify is a Triton kernel. These are the same
+computations as SGLang's own Triton kernels (sglang/kernels/ops/speculative/cache_locs.py and spec_tree.py), one request
 at a time in Python: the batches a CPU serves are small. The `sgl_kernel` stand-in
 (cpu_support) hands them out under the names SGLang imports.
 """

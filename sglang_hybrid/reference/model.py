@@ -9,12 +9,11 @@ index key). Every served output in the tests is compared to this model.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 
 import torch
-from safetensors.torch import load_file
 
+from sglang_hybrid.checkpoints.maker import load_weights
 from sglang_hybrid.configs.hybrid_linear_sparse import HybridLinearSparseConfig
 from sglang_hybrid.kernels.fp8_kv import dequantize_kv_fp8, quantize_kv_fp8_torch
 from sglang_hybrid.kernels.mxfp8 import dequantize_mxfp8, quantize_mxfp8_torch
@@ -360,8 +359,4 @@ def _copy_cache(cache: SequenceCache) -> SequenceCache:
 def load(checkpoint_dir: str, dtype: torch.dtype = torch.float32, device="cpu") -> GoldenModel:
     """Load the golden model from a checkpoint folder (config.json + *.safetensors)."""
     config = HybridLinearSparseConfig.from_pretrained(checkpoint_dir)
-    weights: dict[str, torch.Tensor] = {}
-    for name in sorted(os.listdir(checkpoint_dir)):
-        if name.endswith(".safetensors"):
-            weights.update(load_file(os.path.join(checkpoint_dir, name)))
-    return GoldenModel(config, weights, dtype, device)
+    return GoldenModel(config, load_weights(checkpoint_dir), dtype, device)
