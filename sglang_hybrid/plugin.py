@@ -221,17 +221,26 @@ def _server_defaults(result, server_args, *args, **kwargs):
         raise ValueError(f"{ARCHITECTURE} runs only on --{field.replace('_', '-')} {' or '.join(ours)}; got {value!r}")
     if server_args.attention_backend not in ours:
         server_args.attention_backend = ATTENTION_BACKEND
-    # SGLang's prefill CP splits only attention layers; the KDA layers' fold
-    # (sglang_hybrid.parallel) is not wired into its scheduler yet, so refuse rather than
-    # serve a model whose recurrent layers see a fraction of each prompt.
-    if server_args.enable_prefill_cp or (server_args.attn_cp_size or 1) > 1:
-        raise ValueError(f"{ARCHITECTURE} does not serve context-parallel prefill yet (--enable-prefill-cp, "
-                         f"--attn-cp-size {server_args.attn_cp_size}); run without them")
+    _context_parallel_checks(server_args)
     if (server_args.speculative_algorithm or "").upper() == "STANDALONE":
         _standalone_draft(server_args)
     # The sparse layer's indexer is eager Python for now; decode graphs are captured.
     if (Phase.PREFILL, "backend") not in server_args._cuda_graph_config_locked:
         server_args.cuda_graph_config.prefill.backend = Backend.DISABLED
+
+
+def _context_parallel_checks(server_args) -> None:
+    """What sglang_hybrid.parallel.prefill_cp serves of SGLang's prefill CP switches."""
+    if (server_args.attn_cp_size or 1) <= 1 or not server_args.enable_prefill_cp:
+        return
+    if server_args.cp_strategy != "zigzag":
+        raise ValueError(f"{ARCHITECTURE} serves context-parallel prefill with --cp-strategy zigzag only (got "
+                         f"{server_args.cp_strategy!r}): its KDA layers fold each rank's tokens as contiguous chunks")
+    if server_args.enable_dp_attention:
+        raise ValueError(f"{ARCHITECTURE} does not serve context-parallel prefill together with --enable-dp-attention")
+    if (server_args.moe_dp_size or 1) > 1:
+        raise ValueError(f"{ARCHITECTURE}'s context-parallel prefill runs the FFN on every row of the batch, "
+                         f"tensor-parallel over --tp-size; serve it with --moe-dp-size 1 (got {server_args.moe_dp_size})")
 
 
 def _eagle_checks(original, server_args, *args, **kwargs):

@@ -1,7 +1,9 @@
 """KDA recurrence and short conv, and the sparse (indexer + attention) layer, under zigzag
 context parallelism over W gloo ranks on CPU, against the single-process reference (fp32):
 ragged requests, lengths not divisible by 2W, one-token and shorter-than-2W requests, a
-request continuing from a cached prefix (its state and window; its index-K and KV)."""
+request continuing from a cached prefix (its state and window; its index-K and KV), and
+the radix cache's snapshots inside the new tokens (at a chunk boundary, inside a chunk, after
+none and after all of a request's tokens)."""
 
 from __future__ import annotations
 
@@ -48,6 +50,23 @@ def _reference(b):
     return torch.cat(outs), torch.stack(states), torch.cat(convs), torch.stack(windows)
 
 
+# {request: new tokens before its snapshot}: 23 of 37 (inside a chunk at W = 2 and 4), all
+# of a one-token request, none of request 2's, 10 of request 3's 20 (a chunk boundary at
+# W = 2, chunks of 5; inside a chunk at W = 4) on top of its cached state.
+CUTS = {0: 23, 1: 1, 2: 0, 3: 10}
+
+
+def _reference_snapshots(b):
+    states, windows, starts = [], [], [0]
+    for n in LENGTHS:
+        starts.append(starts[-1] + n)
+    for i, c in sorted(CUTS.items()):
+        s = slice(starts[i], starts[i] + c)
+        states.append(kda_recurrence(b["q"][s], b["k"][s], b["v"][s], b["g"][s], b["beta"][s], b["initial"][i])[1])
+        windows.append(short_causal_conv(b["x"][s], b["windows"][i], b["weight"])[1])
+    return torch.stack(states), torch.stack(windows)
+
+
 def _worker(rank, world, port):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -55,14 +74,17 @@ def _worker(rank, world, port):
         b = _batch()
         plan = zigzag_plan(LENGTHS, world)
         rows = plan.rank_tokens[rank]
-        o, finals = kda_cp(b["q"][rows], b["k"][rows], b["v"][rows], b["g"][rows], b["beta"][rows], b["initial"],
-                           LENGTHS)
-        c, windows = conv_cp(b["x"][rows], b["windows"], b["weight"], LENGTHS)
+        o, finals, snap_states = kda_cp(b["q"][rows], b["k"][rows], b["v"][rows], b["g"][rows], b["beta"][rows],
+                                        b["initial"], LENGTHS, cuts=CUTS)
+        c, windows, snap_windows = conv_cp(b["x"][rows], b["windows"], b["weight"], LENGTHS, cuts=CUTS)
         ref_o, ref_states, ref_c, ref_windows = _reference(b)
         torch.testing.assert_close(o, ref_o[rows], rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(finals, ref_states, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(c, ref_c[rows], rtol=1e-6, atol=1e-6)
         torch.testing.assert_close(windows, ref_windows)
+        ref_snap_states, ref_snap_windows = _reference_snapshots(b)
+        torch.testing.assert_close(snap_states, ref_snap_states, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(snap_windows, ref_snap_windows)
         # Every rank's rows gathered back and restored: the batch's order.
         gathered = [None] * world
         dist.all_gather_object(gathered, o)

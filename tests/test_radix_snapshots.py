@@ -90,6 +90,10 @@ def test_repeat_branch_and_mid_chunk_reuse_equal_cold(server, check):
     token 200 (resumes at the deepest snapshot before it, and snapshots the branch point
     192); the same branch again (resumes at 192); a request branching mid-chunk at 290
     (resumes at 256). Warm outputs equal cold ones and the golden model's."""
+    check_repeat_branch_and_mid_chunk_reuse(server, check)
+
+
+def check_repeat_branch_and_mid_chunk_reuse(server, check):
     prefill_chunk = requests.get(server.url + "/get_server_info", timeout=30).json()["chunked_prefill_size"]
     rng = random.Random(50)
     prompt = _tokens(rng, 300)

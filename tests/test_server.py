@@ -176,6 +176,16 @@ def test_logprobs_match_golden(server, golden, tolerance):
     import json
     import os
 
+    errors = logprob_errors(server, golden)
+    print(f"max |served - golden| logprob: {errors} (tolerance {tolerance.logprob})")
+    if os.environ.get("SGLANG_HYBRID_TEST_LOGS"):
+        with open(os.path.join(os.environ["SGLANG_HYBRID_TEST_LOGS"], "logprob_error.json"), "w") as f:
+            json.dump({**errors, "tolerance": tolerance.logprob}, f)
+    assert max(errors.values()) <= tolerance.logprob
+
+
+def logprob_errors(server, golden) -> dict[str, float]:
+    """Max |served - golden| log-probability of the served tokens, over prefill and decode."""
     import torch
 
     errors = {"prefill": 0.0, "decode": 0.0}
@@ -191,11 +201,7 @@ def test_logprobs_match_golden(server, golden, tolerance):
         for kind, got, ref in (("prefill", inputs, want[: len(ids) - 1]), ("decode", outputs, want[len(ids) - 1 :])):
             err = (torch.tensor([t[0] for t in got]) - ref).abs().max().item()
             errors[kind] = max(errors[kind], err)
-    print(f"max |served - golden| logprob: {errors} (tolerance {tolerance.logprob})")
-    if os.environ.get("SGLANG_HYBRID_TEST_LOGS"):
-        with open(os.path.join(os.environ["SGLANG_HYBRID_TEST_LOGS"], "logprob_error.json"), "w") as f:
-            json.dump({**errors, "tolerance": tolerance.logprob}, f)
-    assert max(errors.values()) <= tolerance.logprob
+    return errors
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusals of a host without a GPU")
@@ -203,7 +209,10 @@ def test_logprobs_match_golden(server, golden, tolerance):
     (["--attention-backend", "triton"],
      "runs only on --attention-backend hybrid_linear_sparse or hybrid_linear_sparse_flashmla"),
     (["--attention-backend", "hybrid_linear_sparse_flashmla"], "FlashMLA sparse attention needs a Hopper or newer GPU"),
-    (["--enable-prefill-cp", "--cp-strategy", "zigzag"], "does not serve context-parallel prefill yet"),
+    (["--tp-size", "2", "--attn-cp-size", "2", "--enable-prefill-cp", "--cp-strategy", "interleave"],
+     "context-parallel prefill with --cp-strategy zigzag only"),
+    (["--tp-size", "2", "--attn-cp-size", "2", "--enable-prefill-cp", "--cp-strategy", "zigzag", "--moe-dp-size", "2"],
+     "serve it with --moe-dp-size 1"),
     (["--speculative-algorithm", "STANDALONE", "--speculative-draft-model-path", "{checkpoint}",
       "--speculative-num-steps", "2", "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "3"],
      "a hybrid draft needs KDA state slots of its own"),

@@ -113,6 +113,18 @@ def test_mixed_acceptance_equals_golden(spec_server, tmp_path_factory, steps):
     assert again["output_ids"] == golden.generate(PROMPTS[2], NEW_TOKENS)
 
 
+def test_context_parallel_prefill_then_speculation_equals_golden(spec_server, tmp_path_factory):
+    """The target's prefill split over two CP ranks (--tp-size 2 --attn-cp-size 2, as in
+    tests/test_context_parallel.py), the draft head fed from the gathered hidden states,
+    verify and draft forwards unsplit: tokens and accepted drafts per verify equal the golden
+    EAGLE loop's."""
+    checkpoint, golden = _checkpoint(tmp_path_factory, "near_bigram_cp", near_bigram=0.3)
+    srv = spec_server(checkpoint, 3, "near_bigram_cp", ["--tp-size", "2", "--attn-cp-size", "2",
+                                                        "--enable-prefill-cp", "--cp-strategy", "zigzag"])
+    _check_against_golden(golden, _generate_all(srv.url, PROMPTS), 3)
+    assert "context-parallel prefill:" in srv.read_log()
+
+
 def _adaptive_args(tmp_path_factory) -> list[str]:
     """SGLang's acceptance monitor (--speculative-adaptive): an EMA of accepted drafts per
     verify picks the draft length among 0 (plain decoding), 1 and 3, re-decided every 2

@@ -44,11 +44,30 @@ def activate() -> bool:
     os.environ["SGLANG_USE_CPU_ENGINE"] = "1"
     # The CPU path runs in fp32 end to end; SGLang keeps KDA conv windows in bf16 by default.
     os.environ.setdefault("SGLANG_MAMBA_CONV_DTYPE", "float32")
+    # The CUDA build of torch brings libnccl, so SGLang would set up NCCL for TP > 1 and stop
+    # on the missing device; without it SGLang's groups fall back to gloo on the CPU.
+    os.environ.setdefault("SGLANG_NCCL_SO_PATH", "libnccl-not-used-on-cpu.so")
     paths = os.environ.get("PYTHONPATH", "").split(os.pathsep)
     if SITE_DIR not in paths:
         os.environ["PYTHONPATH"] = os.pathsep.join([SITE_DIR] + [p for p in paths if p])
     install_stub()
     return True
+
+
+def bind_tensor_parallel_ranks(tp_size: int) -> None:
+    """SGLang on CPU wants each TP rank's cores named (SGLANG_CPU_OMP_THREADS_BIND, 'a-b|c-d')
+    when there are more ranks than NUMA nodes: this host's cores split evenly, or shared
+    round-robin when there are more ranks than cores."""
+    if tp_size <= 1 or "SGLANG_CPU_OMP_THREADS_BIND" in os.environ:
+        return
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) >= tp_size:
+        per = len(cores) // tp_size
+        groups = [cores[r * per:(r + 1) * per] for r in range(tp_size)]
+    else:
+        groups = [[cores[r % len(cores)]] for r in range(tp_size)]
+    os.environ["SGLANG_CPU_OMP_THREADS_BIND"] = "|".join(
+        f"{g[0]}-{g[-1]}" if len(g) > 1 else str(g[0]) for g in groups)
 
 
 class _Missing:

@@ -22,11 +22,13 @@ from sglang.srt.layers.linear import (
 )
 from sglang.srt.layers.radix_linear_attention import RadixLinearAttention
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch
+from sglang.srt.model_executor.forward_context import get_attn_backend
 from sglang.srt.model_loader.weight_utils import sharded_weight_loader
 from sglang.srt.runtime_context import get_parallel
 from sglang.srt.utils.common import set_weight_attrs
 
 from sglang_hybrid.configs.hybrid_linear_sparse import HybridLinearSparseConfig
+from sglang_hybrid.layers.kda_backend import extend_context_parallel
 from sglang_hybrid.reference.ops import rms_norm
 
 
@@ -44,7 +46,10 @@ class KDAMixer(nn.Module):
     def __init__(self, config: HybridLinearSparseConfig, layer_id: int, quant_config=None, prefix: str = ""):
         super().__init__()
         lac = config.linear_attn_config
-        tp = get_parallel().attn_tp_size
+        ps = get_parallel()
+        tp = ps.attn_tp_size
+        # Sharded over the attention TP group (the whole TP group unless CP or DP attention splits it).
+        shard = dict(tp_rank=ps.attn_tp_rank, tp_size=tp)
         self.head_dim = K = lac["head_dim"]
         self.num_heads = H = lac["num_heads"]
         self.local_heads = H // tp
@@ -52,21 +57,25 @@ class KDAMixer(nn.Module):
         width = lac["short_conv_kernel_size"]
         D = config.hidden_size
 
-        self.qkv_proj = MergedColumnParallelLinear(D, [P, P, P], bias=False, quant_config=quant_config, prefix=f"{prefix}.qkv_proj")
+        self.qkv_proj = MergedColumnParallelLinear(D, [P, P, P], bias=False, quant_config=quant_config,
+                                                   prefix=f"{prefix}.qkv_proj", **shard)
         self.qkv_conv1d = MergedColumnParallelLinear(
-            width, [P, P, P], bias=False, params_dtype=torch.float32, prefix=f"{prefix}.qkv_conv1d"
+            width, [P, P, P], bias=False, params_dtype=torch.float32, prefix=f"{prefix}.qkv_conv1d", **shard
         )
         self.f_a_proj = ReplicatedLinear(D, K, bias=False, quant_config=quant_config, prefix=f"{prefix}.f_a_proj")
-        self.f_b_proj = ColumnParallelLinear(K, P, bias=False, quant_config=quant_config, prefix=f"{prefix}.f_b_proj")
-        self.b_proj = ColumnParallelLinear(D, H, bias=False, quant_config=quant_config, prefix=f"{prefix}.b_proj")
+        self.f_b_proj = ColumnParallelLinear(K, P, bias=False, quant_config=quant_config, prefix=f"{prefix}.f_b_proj",
+                                             **shard)
+        self.b_proj = ColumnParallelLinear(D, H, bias=False, quant_config=quant_config, prefix=f"{prefix}.b_proj", **shard)
         self.g_a_proj = ReplicatedLinear(D, K, bias=False, quant_config=quant_config, prefix=f"{prefix}.g_a_proj")
-        self.g_b_proj = ColumnParallelLinear(K, P, bias=False, quant_config=quant_config, prefix=f"{prefix}.g_b_proj")
+        self.g_b_proj = ColumnParallelLinear(K, P, bias=False, quant_config=quant_config, prefix=f"{prefix}.g_b_proj",
+                                             **shard)
         self.A_log = nn.Parameter(torch.empty(1, 1, self.local_heads, 1, dtype=torch.float32))
         set_weight_attrs(self.A_log, {"weight_loader": sharded_weight_loader(2)})
         self.dt_bias = nn.Parameter(torch.empty(self.local_heads * K, dtype=torch.float32))
         set_weight_attrs(self.dt_bias, {"weight_loader": sharded_weight_loader(0)})
         self.o_norm = GatedRMSNorm(K, eps=config.rms_norm_eps, activation="sigmoid")
-        self.o_proj = RowParallelLinear(P, D, bias=False, quant_config=quant_config, prefix=f"{prefix}.o_proj")
+        self.o_proj = RowParallelLinear(P, D, bias=False, quant_config=quant_config, prefix=f"{prefix}.o_proj",
+                                        use_dp_attention_reduce=True, **shard)
 
         self.attn = RadixLinearAttention(
             layer_id=layer_id,
@@ -91,6 +100,11 @@ class KDAMixer(nn.Module):
         if not mode.is_decode() and not mode.is_target_verify():
             forget = forget.unflatten(-1, (-1, self.head_dim)).unsqueeze(0)
             beta = beta.float().sigmoid()
-        out = self.attn(forward_batch, mixed_qkv=mixed_qkv, a=forget, b=beta.unsqueeze(0))
+        cp = forward_batch.hybrid_prefill_cp
+        if cp is not None:
+            out = extend_context_parallel(get_attn_backend().linear_attn_backend, self.attn, forward_batch, cp,
+                                          mixed_qkv, forget, beta.unsqueeze(0))
+        else:
+            out = self.attn(forward_batch, mixed_qkv=mixed_qkv, a=forget, b=beta.unsqueeze(0))
         out = self.o_norm(out, gate.unflatten(-1, (-1, self.head_dim)))
         return self.o_proj(out.reshape(hidden_states.shape[0], -1))[0]

@@ -14,6 +14,7 @@ from sglang.srt.layers.attention.hybrid_linear_attn_backend import MambaAttnBack
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 
 from sglang_hybrid.layers.draft_tree import draft_tree_parents
+from sglang_hybrid.parallel.kda_cp import conv_cp, kda_cp
 from sglang_hybrid.reference import ops
 
 
@@ -112,6 +113,52 @@ class _TrackedChunkStates:
         return self.states
 
 
+def extend_snapshots(forward_batch, metadata, prefix_lens, chunk: int) -> dict[int, tuple[int, int]]:
+    """{row: (tokens of this extend before the snapshot, track slot)}, as SGLang's
+    _init_track_ssm_indices reads them: the point is the last chunk-aligned one
+    at or before mamba_track_seqlens (which SGLang moves past a forced branch point)."""
+    if not metadata.has_mamba_track_mask:
+        return {}
+    mask = forward_batch.mamba_track_mask.tolist()
+    seqlens = forward_batch.mamba_track_seqlens.tolist()
+    dst = metadata.mamba_track_indices.tolist()
+    return {i: ((seqlens[i] - prefix_lens[i]) // chunk * chunk, dst[i]) for i in range(len(mask)) if mask[i]}
+
+
+def extend_context_parallel(backend: MambaAttnBackendBase, layer, forward_batch: ForwardBatch, cp, mixed_qkv, a, b):
+    """A context-parallel extend (parallel.prefill_cp) of this rank's rows, on either backend's
+    pool: the short conv and the recurrence through parallel.kda_cp (summaries exchanged and
+    folded in fp32), each request's final conv window and state, and the radix cache's
+    snapshots inside the extend, written to every rank's own pool. Plain PyTorch on any
+    device (fla's chunk_kda has a CP mode for the GPU, benchmarks/cp_prefill.md; not wired)."""
+    from sglang.srt.runtime_context import get_server_args
+
+    meta = backend.forward_metadata
+    cache = backend.req_to_token_pool.mamba2_layer_cache(layer.layer_id)
+    conv_pool, state_pool = cache.conv[0], cache.temporal  # [N, W-1, 3P], [N, H, V, K]
+    H, K, V = layer.num_v_heads, layer.head_k_dim, layer.head_v_dim
+    slots = meta.mamba_cache_indices.tolist()
+    prefix_lens = forward_batch.extend_prefix_lens_cpu
+    windows = torch.stack([conv_pool[s].float() if p > 0 else conv_pool.new_zeros(conv_pool.shape[1:], dtype=torch.float32)
+                           for s, p in zip(slots, prefix_lens)])
+    initial = torch.stack([state_pool[s].float().transpose(-1, -2) if p > 0
+                           else state_pool.new_zeros((H, K, V), dtype=torch.float32) for s, p in zip(slots, prefix_lens)])
+    snapshots = extend_snapshots(forward_batch, meta, prefix_lens, get_server_args().mamba_cache_chunk_size)
+    cuts = {i: c for i, (c, _) in snapshots.items()}
+    qkv, final_windows, snap_windows = conv_cp(mixed_qkv.float(), windows, layer.conv_weights.float(), cp.lengths,
+                                               cp.group, cuts)
+    q, k, v = qkv.reshape(-1, 3, H, K).unbind(1)
+    g = ops.kda_gate(a[0].float(), layer.A_log, layer.dt_bias)
+    o, final_states, snap_states = kda_cp(ops.l2norm(q) * K**-0.5, ops.l2norm(k), v, g, b[0].float(), initial,
+                                          cp.lengths, cp.group, cuts)
+    pairs = [(s, w, st) for s, w, st in zip(slots, final_windows, final_states) if s >= 0]
+    pairs += [(snapshots[i][1], w, st) for i, w, st in zip(sorted(cuts), snap_windows, snap_states)]
+    for slot, window, state in pairs:
+        conv_pool[slot] = window.to(conv_pool.dtype)
+        state_pool[slot] = state.transpose(-1, -2).to(state_pool.dtype)
+    return o.to(mixed_qkv.dtype).unsqueeze(0)
+
+
 class TorchKDAAttnBackend(MambaAttnBackendBase):
     """KDA on the reference ops, one request at a time (CPU path).
 
@@ -196,16 +243,7 @@ class TorchKDAAttnBackend(MambaAttnBackendBase):
         return o, window, state
 
     def _extend_snapshots(self, forward_batch, prefix_lens) -> dict[int, tuple[int, int]]:
-        """{row: (tokens of this extend before the snapshot, track slot)}, as SGLang's
-        _init_track_ssm_indices reads them: the point is the last chunk-aligned one
-        at or before mamba_track_seqlens (which SGLang moves past a forced branch point)."""
-        if not self.forward_metadata.has_mamba_track_mask:
-            return {}
-        chunk = self.track_chunk
-        mask = forward_batch.mamba_track_mask.tolist()
-        seqlens = forward_batch.mamba_track_seqlens.tolist()
-        dst = self.forward_metadata.mamba_track_indices.tolist()
-        return {i: ((seqlens[i] - prefix_lens[i]) // chunk * chunk, dst[i]) for i in range(len(mask)) if mask[i]}
+        return extend_snapshots(forward_batch, self.forward_metadata, prefix_lens, self.track_chunk)
 
     def _run(self, layer, mixed_qkv, g, beta, slots, starts, continues, snapshots):
         cache = self.req_to_token_pool.mamba2_layer_cache(layer.layer_id)

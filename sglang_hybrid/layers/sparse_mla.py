@@ -122,19 +122,22 @@ class SparseMLAMixer(nn.Module):
         super().__init__()
         c = config
         D = c.hidden_size
-        self.num_local_heads = c.num_attention_heads // get_parallel().attn_tp_size
+        ps = get_parallel()
+        self.num_local_heads = c.num_attention_heads // ps.attn_tp_size
+        # Sharded over the attention TP group (the whole TP group unless CP or DP attention splits it).
+        shard = dict(tp_rank=ps.attn_tp_rank, tp_size=ps.attn_tp_size)
         self.nope, self.rope_dim, self.v_dim, self.rank = c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim, c.kv_lora_rank
         self.q_a_proj = ReplicatedLinear(D, c.q_lora_rank, bias=False, quant_config=quant_config, prefix=f"{prefix}.q_a_proj")
         self.q_a_layernorm = RMSNorm(c.q_lora_rank, eps=c.rms_norm_eps)
         self.q_b_proj = ColumnParallelLinear(c.q_lora_rank, c.num_attention_heads * (self.nope + self.rope_dim),
-                                             bias=False, quant_config=quant_config, prefix=f"{prefix}.q_b_proj")
+                                             bias=False, quant_config=quant_config, prefix=f"{prefix}.q_b_proj", **shard)
         self.kv_a_proj_with_mqa = ReplicatedLinear(D, self.rank + self.rope_dim, bias=False,
                                                    quant_config=quant_config, prefix=f"{prefix}.kv_a_proj_with_mqa")
         self.kv_a_layernorm = RMSNorm(self.rank, eps=c.rms_norm_eps)
         self.kv_b_proj = ColumnParallelLinear(self.rank, c.num_attention_heads * (self.nope + self.v_dim), bias=False,
-                                              quant_config=quant_config, prefix=f"{prefix}.kv_b_proj")
-        self.o_proj = RowParallelLinear(c.num_attention_heads * self.v_dim, D, bias=False,
-                                        quant_config=quant_config, prefix=f"{prefix}.o_proj")
+                                              quant_config=quant_config, prefix=f"{prefix}.kv_b_proj", **shard)
+        self.o_proj = RowParallelLinear(c.num_attention_heads * self.v_dim, D, bias=False, quant_config=quant_config,
+                                        prefix=f"{prefix}.o_proj", use_dp_attention_reduce=True, **shard)
         self.indexer = Indexer(c, quant_config, prefix=f"{prefix}.indexer")
         self.attn = RadixAttention(
             num_heads=self.num_local_heads,

@@ -5,7 +5,8 @@ latent row k = [c | k_pe], the indexer query, its head weights (all scales folde
 in) and the new index keys. The backend stores the new rows, then works per query
 row: row r belongs to request row_req[r] and sees its first row_len[r] positions
 (decode: the whole sequence; extend: causal, so position p sees p + 1, which covers
-chunked prefill on a cached prefix). One fused kernel scores every visible position
+chunked prefill on a cached prefix; a context-parallel extend, parallel.prefill_cp: the
+rank's rows only, after every rank's new rows are gathered into its cache). One fused kernel scores every visible position
 and keeps the Top-K (reference.ops.topk_positions's order and tie rule); a second
 gathers those latent rows from the paged pool and attends over them only. The
 output is the latent attention result [T, H * kv_lora_rank]; the layer applies W_vc.
@@ -177,8 +178,15 @@ class SparseMLAAttnBackend(AttentionBackend):
                                      index_weights, row_req, tail + per_request,
                                      tree=(tail, self._verify_tree), **options)
         else:
+            cp = forward_batch.hybrid_prefill_cp
+            if cp is not None:  # a context-parallel prefill: every rank caches all new rows, selects for its own
+                k, v, index_k = cp.gather(k), cp.gather(v), cp.gather(index_k)
             row_req = torch.repeat_interleave(forward_batch.req_pool_indices, forward_batch.extend_seq_lens,
-                                              output_size=q.shape[0])
+                                              output_size=k.shape[0])
+            if cp is not None:
+                return self._forward(q, k, v, layer, forward_batch, save_kv_cache, index_q, index_q_scale, index_k,
+                                     index_weights, cp.shard(row_req), cp.shard(forward_batch.positions) + 1,
+                                     **options)
         return self._forward(q, k, v, layer, forward_batch, save_kv_cache, index_q, index_q_scale, index_k,
                              index_weights, row_req, forward_batch.positions + 1, **options)
 

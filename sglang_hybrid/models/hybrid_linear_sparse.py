@@ -33,6 +33,7 @@ from sglang_hybrid.configs.hybrid_linear_sparse import HybridLinearSparseConfig
 from sglang_hybrid.layers.kda import KDAMixer
 from sglang_hybrid.layers.rms_norm import RMSNorm
 from sglang_hybrid.layers.sparse_mla import SparseMLAMixer
+from sglang_hybrid.parallel.prefill_cp import split_prefill
 
 
 class HybridMoE(nn.Module):
@@ -145,7 +146,13 @@ class HybridDecoderLayer(nn.Module):
                 setattr(self, f"{name}_res_norm", RMSNorm(c.hidden_size, eps=c.rms_norm_eps))
                 setattr(self, f"{name}_res_proj", ReplicatedLinear(c.hidden_size, 1, bias=False, prefix=f"{prefix}.{name}_res_proj"))
 
-    def ffn(self, x: torch.Tensor) -> torch.Tensor:
+    def ffn(self, x: torch.Tensor, forward_batch: ForwardBatch) -> torch.Tensor:
+        cp = forward_batch.hybrid_prefill_cp
+        if cp is not None:  # every row of the batch, tensor-parallel as without CP (parallel.prefill_cp)
+            return cp.shard(self._ffn(cp.gather(x)))
+        return self._ffn(x)
+
+    def _ffn(self, x: torch.Tensor) -> torch.Tensor:
         return self.block_sparse_moe(x) if self.is_moe else self.mlp(x)
 
     def forward_residual(self, x, residual, positions, forward_batch):
@@ -156,7 +163,7 @@ class HybridDecoderLayer(nn.Module):
             x, residual = self.input_layernorm(x, residual)
         x = self.self_attn(x, positions, forward_batch)
         x, residual = self.post_attention_layernorm(x, residual)
-        return self.ffn(x), residual
+        return self.ffn(x, forward_batch), residual
 
     def forward_attn_res(self, partial, res: BlockAttnResidual, positions, forward_batch):
         """Block attention residuals; returns the new running partial sum of the block."""
@@ -167,7 +174,7 @@ class HybridDecoderLayer(nn.Module):
         a = self.self_attn(self.input_layernorm(x), positions, forward_batch)
         partial = a if partial is None else partial + a
         x = res.mix(partial, self.mlp_res_proj, self.mlp_res_norm)
-        return partial + self.ffn(self.post_attention_layernorm(x))
+        return partial + self.ffn(self.post_attention_layernorm(x), forward_batch)
 
 
 class HybridLinearSparseModel(nn.Module):
@@ -186,6 +193,13 @@ class HybridLinearSparseModel(nn.Module):
 
     def forward(self, input_ids, positions, forward_batch: ForwardBatch, inputs_embeds=None) -> torch.Tensor:
         x = inputs_embeds if inputs_embeds is not None else self.embed_tokens(input_ids)
+        forward_batch.hybrid_prefill_cp = cp = split_prefill(forward_batch)
+        if cp is not None:
+            x, positions = cp.shard(x), cp.shard(positions)
+        out = self.layers_forward(x, positions, forward_batch)
+        return cp.gather(out) if cp is not None else out
+
+    def layers_forward(self, x, positions, forward_batch: ForwardBatch) -> torch.Tensor:
         if self.config.attn_res_block_size is None:
             residual = None
             for layer in self.layers:

@@ -43,6 +43,7 @@ class HybridLinearSparseDraftModel(nn.Module):
     def forward(self, input_ids, positions, forward_batch: ForwardBatch, inputs_embeds=None) -> torch.Tensor:
         x = inputs_embeds if inputs_embeds is not None else self.embed_tokens(input_ids)
         h = forward_batch.spec_info.hidden_states
+        forward_batch.hybrid_prefill_cp = None  # the draft head's forwards are never split
         x = self.eh_proj(torch.cat([self.enorm(x), self.hnorm(h)], dim=-1))[0]
         x, residual = self.decoder.forward_residual(x, None, positions, forward_batch)
         return self.shared_head_norm(x, residual)[0]

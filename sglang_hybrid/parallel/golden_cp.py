@@ -55,13 +55,13 @@ class ZigzagGolden(GoldenModel):
 
     # The three cross-token steps, for the batch: `lcs` holds each request's layer cache.
     def _conv(self, pre, conv_w, lcs):
-        out, windows = conv_cp(pre, torch.stack([lc.conv for lc in lcs]), conv_w, self.lengths, self.group)
+        out, windows, _ = conv_cp(pre, torch.stack([lc.conv for lc in lcs]), conv_w, self.lengths, self.group)
         for lc, window in zip(lcs, windows):
             lc.conv = window
         return out
 
     def _recurrence(self, q, k, v, g, beta, lcs):
-        o, finals = kda_cp(q, k, v, g, beta, torch.stack([lc.state for lc in lcs]), self.lengths, self.group)
+        o, finals, _ = kda_cp(q, k, v, g, beta, torch.stack([lc.state for lc in lcs]), self.lengths, self.group)
         for lc, final in zip(lcs, finals):
             lc.state = final.to(lc.state.dtype)
         return o

@@ -5,8 +5,11 @@ summarizes its two chunks (parallel.kda_summary: S_out = M S_in + E), all ranks
 all-gather the summaries and the chunks' conv tails (the last width-1 pre-conv inputs),
 every rank folds the request's 2W chunks in sequence order (fp32), and each rank then
 runs its chunks from their true incoming state and window. All ranks end with the
-request's final state and window; the rank holding the last chunk (rank 0 under zigzag)
-hands them to the cache.
+request's final state and window (each rank keeps its own copy of the cache).
+
+A snapshot inside the new tokens (`cuts`: the radix cache's state after c of them) is
+known only to the rank whose chunk holds token c: it runs that chunk in two pieces, and
+one all-reduce (the other ranks add zeros, exact) gives every rank the pair.
 
 Communication per layer: one all-gather of B x 2 x H x K x (K + V) fp32 summaries and one
 of B x 2 x (width-1) x D conv tails per rank, independent of the chunk length.
@@ -40,10 +43,34 @@ def _in_sequence_order(gathered: list, world: int) -> list:
     return [gathered[c][0] for c in range(world)] + [gathered[2 * world - 1 - c][1] for c in range(world, 2 * world)]
 
 
-def conv_cp(x: torch.Tensor, windows: torch.Tensor, weight: torch.Tensor, lengths: list[int], group=None):
+def _cut_chunk(cut: int, bounds: list[int]) -> int:
+    """The chunk that holds a request's token `cut` - 1 (chunk 0 for cut 0: the state before
+    the new tokens, which every rank has; its owner contributes it)."""
+    return next(c for c in range(len(bounds) - 1) if cut <= bounds[c + 1]) if cut else 0
+
+
+def _pieces(s: slice, chunk: int, bounds: list[int], cut: int | None) -> tuple[slice, slice | None]:
+    """A chunk's rows split where a snapshot falls in it: (rows before, rows after), or (s, None)."""
+    if cut is None or _cut_chunk(cut, bounds) != chunk:
+        return s, None
+    split = s.start + cut - bounds[chunk]
+    return slice(s.start, split), slice(split, s.stop)
+
+
+def _owned_snapshots(snaps: torch.Tensor, group) -> torch.Tensor:
+    """Each snapshot filled by its owner, zeros elsewhere -> every rank has all of them."""
+    if snaps.numel():
+        dist.all_reduce(snaps, group=group)
+    return snaps
+
+
+def conv_cp(x: torch.Tensor, windows: torch.Tensor, weight: torch.Tensor, lengths: list[int], group=None,
+            cuts: dict[int, int] | None = None):
     """Short causal conv + SiLU of this rank's pre-conv rows x [T_local, D].
     windows: [B, width-1, D] each request's window before its new tokens (all ranks the
-    same). Returns (out [T_local, D], final windows [B, width-1, D])."""
+    same). cuts: {request: c} for windows wanted after c of its new tokens. Returns
+    (out [T_local, D], final windows [B, width-1, D], windows at the cuts [len(cuts), width-1, D]
+    in request order)."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     keep = weight.shape[1] - 1
     mine = local_chunks(lengths, world, rank)
@@ -58,20 +85,29 @@ def conv_cp(x: torch.Tensor, windows: torch.Tensor, weight: torch.Tensor, length
     all_tails, all_counts = _all_gather(tails, group), _all_gather(counts, group)
     out = torch.empty_like(x)
     finals = []
+    cuts = cuts or {}
+    snaps = windows.new_zeros(len(cuts), keep, x.shape[1])
+    slot = {i: n for n, i in enumerate(sorted(cuts))}
     for i, pair in enumerate(mine):
         per_chunk = _in_sequence_order([[all_tails[r][i, j, keep - int(all_counts[r][i, j]):] for j in (0, 1)]
                                         for r in range(world)], world)
         entering = conv_windows(per_chunk, windows[i])
+        bounds = chunk_bounds(lengths[i], 2 * world)
         for s, c in zip(pair, zigzag_chunks(rank, world)):
             out[s] = short_causal_conv(x[s], entering[c], weight)[0]
+            before, after = _pieces(s, c, bounds, cuts.get(i))
+            if after is not None:
+                snaps[slot[i]] = conv_windows([x[before]], entering[c])[-1]
         finals.append(entering[-1])
-    return out, torch.stack(finals)
+    return out, torch.stack(finals), _owned_snapshots(snaps, group)
 
 
-def kda_cp(q, k, v, g, beta, initial: torch.Tensor, lengths: list[int], group=None):
+def kda_cp(q, k, v, g, beta, initial: torch.Tensor, lengths: list[int], group=None, cuts: dict[int, int] | None = None):
     """The gated delta rule over this rank's rows (q, k: [T_local, H, K]; v: [T_local, H, V];
     g: [T_local, H, K]; beta: [T_local, H]) of a zigzag-partitioned batch. initial: [B, H, K, V]
-    each request's state before its new tokens. Returns (o [T_local, H, V], final states [B, H, K, V])."""
+    each request's state before its new tokens; cuts: {request: c} for states wanted after c
+    of its new tokens. Returns (o [T_local, H, V], final states [B, H, K, V], states at the
+    cuts [len(cuts), H, K, V] in request order), states in fp32."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     mine = local_chunks(lengths, world, rank)
     summaries = torch.stack([torch.stack([torch.cat(chunk_summary(k[s], v[s], g[s], beta[s]), dim=-1)
@@ -81,14 +117,25 @@ def kda_cp(q, k, v, g, beta, initial: torch.Tensor, lengths: list[int], group=No
     K = k.shape[2]
     o = v.new_empty(v.shape)
     finals = []
+    cuts = cuts or {}
+    snaps = initial.new_zeros((len(cuts),) + tuple(initial.shape[1:]), dtype=torch.float32)
+    slot = {i: n for n, i in enumerate(sorted(cuts))}
     for i, pair in enumerate(mine):
         per_chunk = _in_sequence_order([[(gathered[r][i, j, ..., :K], gathered[r][i, j, ..., K:]) for j in (0, 1)]
                                         for r in range(world)], world)
         states = fold_states(per_chunk, initial[i])
+        bounds = chunk_bounds(lengths[i], 2 * world)
         for s, c in zip(pair, zigzag_chunks(rank, world)):
-            o[s] = kda_recurrence(q[s], k[s], v[s], g[s], beta[s], states[c])[0].to(o.dtype)
+            before, after = _pieces(s, c, bounds, cuts.get(i))
+            state = states[c]
+            for piece in (before, after):
+                if piece is not None and piece.stop > piece.start:
+                    out, state = kda_recurrence(q[piece], k[piece], v[piece], g[piece], beta[piece], state)
+                    o[piece] = out.to(o.dtype)
+                if piece is before and after is not None:
+                    snaps[slot[i]] = state
         finals.append(states[-1])
-    return o, (torch.stack(finals) if finals else initial.float())
+    return o, (torch.stack(finals) if finals else initial.float()), _owned_snapshots(snaps, group)
 
 
 def _all_gather(t: torch.Tensor, group) -> list[torch.Tensor]:
