@@ -48,16 +48,7 @@ def launch_server_argv(launch_args: list[str]) -> list[str]:
         for flag, value in CPU_DEFAULTS.items():
             if flag not in given:
                 argv += [flag] if value is None else [flag, value]
-        cpu_support.bind_tensor_parallel_ranks(_tp_size(launch_args))
     return argv
-
-
-def _tp_size(launch_args: list[str]) -> int:
-    for i, arg in enumerate(launch_args):
-        flag, _, value = arg.partition("=")
-        if flag in ("--tp", "--tp-size", "--tensor-parallel-size"):
-            return int(value or launch_args[i + 1])
-    return 1
 
 
 def _serve(args: argparse.Namespace, rest: list[str]) -> None:

@@ -222,6 +222,10 @@ def _server_defaults(result, server_args, *args, **kwargs):
     if server_args.attention_backend not in ours:
         server_args.attention_backend = ATTENTION_BACKEND
     _context_parallel_checks(server_args)
+    if server_args.device == "cpu":
+        from sglang_hybrid import cpu_support
+
+        cpu_support.bind_tensor_parallel_ranks(server_args.tp_size)  # before the TP ranks start
     if (server_args.speculative_algorithm or "").upper() == "STANDALONE":
         _standalone_draft(server_args)
     # The sparse layer's indexer is eager Python for now; decode graphs are captured.

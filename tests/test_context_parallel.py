@@ -14,6 +14,8 @@ from __future__ import annotations
 import concurrent.futures
 import os
 import random
+import re
+import time
 
 import pytest
 import requests
@@ -68,8 +70,6 @@ def test_prefill_logprobs_from_gathered_rows_match_golden(cp_server, golden, tol
 
 
 def test_server_runs_the_cp_layout_and_its_leak_check_stays_clean(cp_server):
-    import time
-
     info = requests.get(cp_server.url + "/get_server_info", timeout=30).json()
     assert (info["tp_size"], info["attn_cp_size"], info["enable_prefill_cp"], info["cp_strategy"]) == \
         (4, 2, True, "zigzag")
@@ -77,3 +77,33 @@ def test_server_runs_the_cp_layout_and_its_leak_check_stays_clean(cp_server):
     assert requests.get(cp_server.url + "/health", timeout=30).status_code == 200
     log = cp_server.read_log()
     assert "memory leak detected" not in log and "double free" not in log
+
+
+def test_four_cp_ranks_with_mixed_chunks_equal_golden(checkpoint, tmp_path, check):
+    """`--attn-cp-size 4` (attention TP 1) with --enable-mixed-chunk: staggered requests make
+    prefill chunks of 64 tokens that carry running requests' decode tokens as one-token
+    extends, split over four ranks with the new prompts' rows. Every continuation equals
+    the golden model's."""
+    srv = Server(checkpoint, str(tmp_path / "cp4_server.log"),
+                 ["--tp-size", "4", "--enable-prefill-cp", "--cp-strategy", "zigzag", "--attn-cp-size", "4",
+                  "--chunked-prefill-size", "64", "--enable-mixed-chunk"])
+    try:
+        srv.wait_ready()
+        rng = random.Random(61)
+        lengths = [2, 40, 130, 200]
+
+        def staggered(i):
+            time.sleep(0.5 * i)  # later prompts join running decodes
+            return _generate(srv.url, prompts[i], 16)[0]
+
+        prompts = [_tokens(rng, n) for n in lengths]
+        with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+            served = list(pool.map(staggered, range(len(prompts))))
+        for ids, out in zip(prompts, served):
+            check.greedy(ids, out)
+        log = srv.read_log()
+        assert "ATTN_CP3 TP3] context-parallel prefill:" in log
+        assert re.search(r"TP0\] Prefill batch, #new-seq: \d+, #new-token: \d+, .*#running-req: [1-9]", log), \
+            "no prefill ran beside running requests: the mixed-chunk path was not exercised"
+    finally:
+        srv.stop()
