@@ -91,6 +91,8 @@ part() {
                 echo "spec-profile-tree: rc=$?"; grep -v '^{"config' "$OUT/spec-profile-tree/log.txt" | tail -8 | cut -c1-200
                 grep '"gpu_busy' "$OUT/spec-profile-tree/log.txt" | cut -c1-900 ;;
     kda-fp32) run kda-fp32 300 tests/test_gpu.py::test_kda_extend_kernels_fp32_against_reference ;;
+    # The served CP path's per-chunk recurrence on the GPU (fla's fused kernel) against the reference.
+    cp-recurrence) run cp-recurrence 120 tests/test_cp_algebra.py -k fused_recurrence ;;
     # Not the eviction workload: on small, one of its 48 requests leaves the golden model by
     # more than the fp32 margin with or without the cache (radix-replay; gpu_correctness_h200.md).
     radix-small) run radix-small 280 tests/test_radix_snapshots.py -k "not eviction" --preset small ;;

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sglang_hybrid.parallel.kda_summary import chunk_summary, conv_windows, fold_states
+from sglang_hybrid.parallel.kda_summary import chunk_summary, conv_windows, fold_states, summary_by_recurrence
 from sglang_hybrid.parallel.zigzag import chunk_bounds, contiguous_plan, rank_work, zigzag_plan
 from sglang_hybrid.reference.ops import kda_recurrence, l2norm, short_causal_conv
 
@@ -91,6 +91,29 @@ def test_folded_chunk_summaries_equal_the_sequential_recurrence(sizes):
     torch.testing.assert_close(states[-1], final, rtol=1e-5, atol=1e-5)
     per_chunk = [kda_recurrence(q[c], k[c], v[c], decay[c], beta[c], s)[0] for c, s in zip(chunks, states)]
     torch.testing.assert_close(torch.cat(per_chunk), out, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("n", [0, 1, 19])
+def test_summary_by_one_recurrence_run_equals_the_matrix_product(n):
+    """The summary the CP layers use (one run of the recurrence on [v | 0] from [0 | I])
+    equals the explicit product of the per-token maps."""
+    _, k, v, decay, beta = _kda_inputs(n)
+    for got, want in zip(summary_by_recurrence(kda_recurrence, k, v, decay, beta), chunk_summary(k, v, decay, beta)):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.gpu
+def test_fused_recurrence_on_the_gpu_equals_the_reference():
+    """The GPU's per-chunk recurrence under CP (fla's fused kernel behind the reference's
+    contract): outputs, final state and the summary it gives, fp32 on CUDA."""
+    from sglang_hybrid.layers.kda_backend import fused_recurrence
+
+    q, k, v, decay, beta = (t.cuda() for t in _kda_inputs(45, H=4, K=32, V=32))
+    state = torch.randn(4, 32, 32, generator=torch.Generator().manual_seed(3)).cuda()
+    for got, want in zip(fused_recurrence(q, k, v, decay, beta, state), kda_recurrence(q, k, v, decay, beta, state)):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    for got, want in zip(summary_by_recurrence(fused_recurrence, k, v, decay, beta), chunk_summary(k, v, decay, beta)):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
 
 
 def test_conv_halo_spans_short_chunks():

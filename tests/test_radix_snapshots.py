@@ -160,7 +160,21 @@ def test_shared_system_prompts_multi_turn_under_eviction(paged_server, check):
             json.dump([{"input_ids": ids, "output_ids": out, "cached_tokens": hit} for ids, out, hit in results], f)
     reused = [hit for _, _, hit in results]
     assert sum(h > 0 for h in reused) >= len(results) // 2, f"reuse per request: {reused}"
-    for ids, out, _ in results:
-        check.greedy(ids, out)
+    wrong = []
+    for ids, out, hit in results:
+        try:
+            check.greedy(ids, out)
+        except AssertionError as e:
+            wrong.append((ids, out, hit, e))
+    if wrong:
+        # Say whether the same request, alone on an empty cache, is right: that separates a
+        # wrong restored state from a wrong batch.
+        requests.post(paged_server.url + "/flush_cache", timeout=60).raise_for_status()
+        report = []
+        for ids, out, hit, e in wrong:
+            alone, alone_hit = _generate(paged_server.url, ids, len(out))
+            report.append(f"{e} [reused {hit} tokens; alone on an empty cache (reused {alone_hit}): "
+                          f"{'equal to the golden model' if alone == check.golden.generate(ids, len(out)) else 'also wrong'}]")
+        raise AssertionError(f"{len(wrong)} of {len(results)} answers differ from the golden model:\n" + "\n".join(report))
     log = paged_server.read_log()
     assert "memory leak detected" not in log

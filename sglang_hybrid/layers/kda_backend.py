@@ -125,12 +125,26 @@ def extend_snapshots(forward_batch, metadata, prefix_lens, chunk: int) -> dict[i
     return {i: ((seqlens[i] - prefix_lens[i]) // chunk * chunk, dst[i]) for i in range(len(mask)) if mask[i]}
 
 
+def fused_recurrence(q, k, v, g, beta, state):
+    """reference.ops.kda_recurrence's contract (q l2-normalised and scaled, k l2-normalised,
+    g the log decay, state [H, K, V]) on fla's fused recurrent KDA kernel (SGLang's copy, which
+    keeps states as [H, V, K]): one launch per chunk, fp32 state."""
+    from sglang.kernels.ops.attention.fla.kda import fused_recurrent_kda
+
+    if q.shape[0] == 0:
+        return v.new_zeros(v.shape), state
+    o, final = fused_recurrent_kda(q=q[None], k=k[None], v=v[None], g=g[None], beta=beta[None], scale=1.0,
+                                   initial_state=state.float().transpose(-1, -2)[None].contiguous(),
+                                   use_qk_l2norm_in_kernel=False)
+    return o[0], final[0].transpose(-1, -2)
+
+
 def extend_context_parallel(backend: MambaAttnBackendBase, layer, forward_batch: ForwardBatch, cp, mixed_qkv, a, b):
     """A context-parallel extend (parallel.prefill_cp) of this rank's rows, on either backend's
     pool: the short conv and the recurrence through parallel.kda_cp (summaries exchanged and
     folded in fp32), each request's final conv window and state, and the radix cache's
-    snapshots inside the extend, written to every rank's own pool. Plain PyTorch on any
-    device (fla's chunk_kda has a CP mode for the GPU, benchmarks/cp_prefill.md; not wired)."""
+    snapshots inside the extend, written to every rank's own pool. Each chunk's recurrence
+    (outputs and summary) is fla's fused recurrent kernel on a GPU, the reference on CPU."""
     from sglang.srt.runtime_context import get_server_args
 
     meta = backend.forward_metadata
@@ -150,7 +164,8 @@ def extend_context_parallel(backend: MambaAttnBackendBase, layer, forward_batch:
     q, k, v = qkv.reshape(-1, 3, H, K).unbind(1)
     g = ops.kda_gate(a[0].float(), layer.A_log, layer.dt_bias)
     o, final_states, snap_states = kda_cp(ops.l2norm(q) * K**-0.5, ops.l2norm(k), v, g, b[0].float(), initial,
-                                          cp.lengths, cp.group, cuts)
+                                          cp.lengths, cp.group, cuts,
+                                          fused_recurrence if mixed_qkv.is_cuda else ops.kda_recurrence)
     pairs = [(s, w, st) for s, w, st in zip(slots, final_windows, final_states) if s >= 0]
     pairs += [(snapshots[i][1], w, st) for i, w, st in zip(sorted(cuts), snap_windows, snap_states)]
     for slot, window, state in pairs:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from sglang_hybrid.parallel.kda_summary import chunk_summary, conv_windows, fold_states
+from sglang_hybrid.parallel.kda_summary import conv_windows, fold_states, summary_by_recurrence
 from sglang_hybrid.parallel.zigzag import chunk_bounds, zigzag_chunks
 from sglang_hybrid.reference.ops import kda_recurrence, short_causal_conv
 
@@ -102,15 +102,18 @@ def conv_cp(x: torch.Tensor, windows: torch.Tensor, weight: torch.Tensor, length
     return out, torch.stack(finals), _owned_snapshots(snaps, group)
 
 
-def kda_cp(q, k, v, g, beta, initial: torch.Tensor, lengths: list[int], group=None, cuts: dict[int, int] | None = None):
+def kda_cp(q, k, v, g, beta, initial: torch.Tensor, lengths: list[int], group=None, cuts: dict[int, int] | None = None,
+           recurrence=kda_recurrence):
     """The gated delta rule over this rank's rows (q, k: [T_local, H, K]; v: [T_local, H, V];
     g: [T_local, H, K]; beta: [T_local, H]) of a zigzag-partitioned batch. initial: [B, H, K, V]
     each request's state before its new tokens; cuts: {request: c} for states wanted after c
     of its new tokens. Returns (o [T_local, H, V], final states [B, H, K, V], states at the
-    cuts [len(cuts), H, K, V] in request order), states in fp32."""
+    cuts [len(cuts), H, K, V] in request order), states in fp32. recurrence: the kernel run
+    per chunk, for outputs and summaries (kda_summary.summary_by_recurrence); the reference
+    by default."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     mine = local_chunks(lengths, world, rank)
-    summaries = torch.stack([torch.stack([torch.cat(chunk_summary(k[s], v[s], g[s], beta[s]), dim=-1)
+    summaries = torch.stack([torch.stack([torch.cat(summary_by_recurrence(recurrence, k[s], v[s], g[s], beta[s]), dim=-1)
                                           for s in pair]) for pair in mine]) if mine else \
         q.new_zeros(0, 2, q.shape[1], k.shape[2], k.shape[2] + v.shape[2])
     gathered = _all_gather(summaries, group)  # [W] x [B, 2, H, K, K + V]
@@ -130,7 +133,7 @@ def kda_cp(q, k, v, g, beta, initial: torch.Tensor, lengths: list[int], group=No
             state = states[c]
             for piece in (before, after):
                 if piece is not None and piece.stop > piece.start:
-                    out, state = kda_recurrence(q[piece], k[piece], v[piece], g[piece], beta[piece], state)
+                    out, state = recurrence(q[piece], k[piece], v[piece], g[piece], beta[piece], state)
                     o[piece] = out.to(o.dtype)
                 if piece is before and after is not None:
                     snaps[slot[i]] = state

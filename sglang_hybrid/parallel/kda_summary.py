@@ -49,6 +49,21 @@ def chunk_summary(k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch
     return M, E
 
 
+def summary_by_recurrence(recurrence, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor):
+    """chunk_summary's (M, E) from one run of the recurrence itself (any kernel with
+    reference.ops.kda_recurrence's contract): the map is linear in the state column by
+    column, so running the chunk on values [v | 0] from the state [0 | I] ([K, V + K]) ends
+    at M [0 | I] + [E | 0] = [E | M]. On a GPU that is one fused-kernel launch instead of
+    T small matrix products."""
+    T, H, K = k.shape
+    V = v.shape[-1]
+    values = torch.cat([v.float(), v.new_zeros(T, H, K, dtype=torch.float32)], dim=-1)
+    start = torch.cat([k.new_zeros(H, K, V, dtype=torch.float32),
+                       torch.eye(K, device=k.device).expand(H, K, K)], dim=-1)
+    _, end = recurrence(k.new_zeros(T, H, K, dtype=torch.float32), k.float(), values, g.float(), beta.float(), start)
+    return end[..., V:], end[..., :V]
+
+
 def fold_states(summaries: list[tuple[torch.Tensor, torch.Tensor]], initial: torch.Tensor) -> list[torch.Tensor]:
     """Chunk summaries in sequence order and the state before the first chunk [H, K, V] ->
     the state entering each chunk, and after the last (len(summaries) + 1 states), in fp32."""
