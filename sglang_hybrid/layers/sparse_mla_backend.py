@@ -6,8 +6,8 @@ in) and the new index keys. The backend stores the new rows, then works per quer
 row: row r belongs to request row_req[r] and sees its first row_len[r] positions
 (decode: the whole sequence; extend: causal, so position p sees p + 1, which covers
 chunked prefill on a cached prefix; a context-parallel extend, parallel.prefill_cp: the
-rank's rows only, after every rank's new rows are gathered into its cache). One fused kernel scores every visible position
-and keeps the Top-K (reference.ops.topk_positions's order and tie rule); a second
+rank's rows only, after every rank's new rows are gathered into its cache). One fused
+kernel scores every visible position and keeps the Top-K (reference.ops.topk_positions's order and tie rule); a second
 gathers those latent rows from the paged pool and attends over them only. The
 output is the latent attention result [T, H * kv_lora_rank]; the layer applies W_vc.
 With an MXFP8 index cache (config index_cache_dtype) the queries come quantized to
@@ -163,6 +163,7 @@ class SparseMLAAttnBackend(AttentionBackend):
                        index_q, index_q_scale, index_k, index_weights, **kwargs):
         mode = forward_batch.forward_mode
         options = {"block_m": _EXTEND_ROW_BLOCK} if self.select is indexer_topk.indexer_topk else {}
+        row_len = forward_batch.positions + 1
         if mode.is_target_verify() or mode.is_draft_extend_v2():
             # The same number of rows per request (the draft chain), each at its own position;
             # fixed row blocks, so verify captures in a CUDA graph.
@@ -184,11 +185,9 @@ class SparseMLAAttnBackend(AttentionBackend):
             row_req = torch.repeat_interleave(forward_batch.req_pool_indices, forward_batch.extend_seq_lens,
                                               output_size=k.shape[0])
             if cp is not None:
-                return self._forward(q, k, v, layer, forward_batch, save_kv_cache, index_q, index_q_scale, index_k,
-                                     index_weights, cp.shard(row_req), cp.shard(forward_batch.positions) + 1,
-                                     **options)
+                row_req, row_len = cp.shard(row_req), cp.shard(row_len)
         return self._forward(q, k, v, layer, forward_batch, save_kv_cache, index_q, index_q_scale, index_k,
-                             index_weights, row_req, forward_batch.positions + 1, **options)
+                             index_weights, row_req, row_len, **options)
 
     def forward_decode(self, q, k, v, layer, forward_batch: ForwardBatch, save_kv_cache=True, *,
                        index_q, index_q_scale, index_k, index_weights, **kwargs):
