@@ -45,7 +45,6 @@ class PrefillCP:
     """One extend batch split over the attention CP group."""
 
     plan: ZigzagPlan
-    rank: int
     lengths: list[int]  # new tokens per request
     rows: torch.Tensor  # this rank's rows: indices into the batch's new tokens, on the device
     group: object  # the CP group's torch.distributed group
@@ -75,4 +74,4 @@ def split_prefill(forward_batch: ForwardBatch) -> PrefillCP | None:
         _announced = True
         logger.info("context-parallel prefill: %d new tokens of %d requests split over %d ranks, %d rows here",
                     sum(lengths), len(lengths), world, rows.numel())
-    return PrefillCP(plan, ps.attn_cp_rank, lengths, rows, get_attn_cp_group().device_group)
+    return PrefillCP(plan, lengths, rows, get_attn_cp_group().device_group)
