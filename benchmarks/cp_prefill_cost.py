@@ -14,6 +14,12 @@ context parallelism, cp_prefill.md); parallel.kda_cp is its PyTorch reference.
   chain: the back chunk of rank 0), TF32x3 in fp32.
 - all-gather: 2 summaries per rank, 2 x H x K x (V + K) x 4 bytes, at an NVLink bandwidth
   given on the command line (this host has one GPU; nothing is sent).
+- served_*: what the served CP path (parallel.kda_cp through layers.kda_backend) runs per
+  chunk today, fp32 activations as it hands them over: `served_chunk_ms` one chunk's outputs
+  and final state from its true initial state (SGLang's chunk_kda, the bf16 serving path),
+  `served_summary_ms` one chunk's summary from one chunk_kda run on [v | 0] from [0 | I]
+  (kda_summary.summary_by_recurrence), `served_fused_summary_ms` the same on the fused
+  recurrent kernel (the fp32 serving path).
 
 Model per KDA layer: t_cp(W) = local(W) + 2 summary(W) + fold(W) + all_gather(W), speedup
 = plain / t_cp. For the whole model's TTFT the other layers' prefill (sparse MLA, MoE,
@@ -128,8 +134,24 @@ def measure(T: int, ranks: list[int]) -> dict:
             "summary_ms": do_bench(lambda: one(0), return_mode="median"),
             "fold_ms": do_bench(lambda: fold(chain, 2 * W - 1), return_mode="median"),
             "summary_bytes_per_rank": 2 * hm[0].numel() * 4,
+            **served(T, L),
         }
     return case
+
+
+def served(T: int, L: int) -> dict:
+    """One chunk of L tokens through the served path's per-chunk kernels (see the docstring)."""
+    from sglang_hybrid.layers.kda_backend import chunked_recurrence, fused_recurrence
+    from sglang_hybrid.parallel.kda_summary import summary_by_recurrence
+
+    q, k, v, gate, beta = (t[0, :L].float() for t in inputs(T))
+    q = q * K ** -0.5
+    state = torch.zeros(H, K, V, device="cuda")
+    return {"served_chunk_ms": do_bench(lambda: chunked_recurrence(q, k, v, gate, beta, state), return_mode="median"),
+            "served_summary_ms": do_bench(lambda: summary_by_recurrence(chunked_recurrence, k, v, gate, beta),
+                                          return_mode="median"),
+            "served_fused_summary_ms": do_bench(lambda: summary_by_recurrence(fused_recurrence, k, v, gate, beta),
+                                                rep=20, warmup=1, return_mode="median")}
 
 
 def model(case: dict, nvlink_gbps: float, other_ms_per_token: float) -> dict:

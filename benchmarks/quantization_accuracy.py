@@ -73,12 +73,12 @@ def main() -> None:
     mode = {"mxfp8": False, "fp8_kv": False, "measure": False}
     captured, layer_err = [], {}
 
-    def index_select(q, weights, positions, index_keys):
+    def index_select(q, weights, positions, index_keys, layer=""):
         if mode["measure"]:
             captured.append((q, weights, index_keys, positions))
         if mode["mxfp8"]:
-            return select(mx(q), weights, positions, mx(index_keys))
-        return select(q, weights, positions, index_keys)
+            return select(mx(q), weights, positions, mx(index_keys), layer)
+        return select(q, weights, positions, index_keys, layer)
 
     def sparse_mla(i, x, positions, lc):
         if mode["fp8_kv"] and not isinstance(lc.latent, _FP8Latents):

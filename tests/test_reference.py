@@ -82,6 +82,36 @@ def test_topk_positions_order_ties_and_padding():
     assert ops.topk_positions(scores[:, :2], 3).tolist() == [[1, 0, -1], [0, -1, -1]]  # K > history
 
 
+def test_topk_near_ties_are_recorded_and_flipped():
+    from sglang_hybrid.reference.model import TopKNearTies
+
+    inf = float("-inf")
+    # Top-2 of: a row whose 2nd and 3rd scores differ by 5e-5 of themselves (a near tie), a
+    # row with a clear gap, a row with an exact relu-zero tie (kept by position), a row whose
+    # history is shorter than K + 1 after the masked positions.
+    scores = torch.tensor([[3.0, 1.0, 1.00005, 0.5], [3.0, 2.0, 1.0, 0.5], [3.0, 0.0, 0.0, 0.0], [3.0, 1.0, inf, inf]])
+    positions = torch.tensor([5, 6, 7, 8])
+    probe = TopKNearTies(rel=1e-4, flips=frozenset({("layer.", 5)}))
+    selected = ops.topk_positions(scores, 2)
+    assert selected.tolist() == [[0, 2], [0, 1], [0, 1], [0, 1]]
+    probe.visit("layer.", positions, scores, selected)
+    assert probe.ties == [("layer.", 5)]
+    assert selected.tolist() == [[0, 1], [0, 1], [0, 1], [0, 1]]  # the tied row keeps its 3rd-best instead
+
+
+def test_golden_index_tie_flip_changes_only_its_row_and_later(golden64):
+    """A flip is taken at its layer and position: logits before it unchanged, its own moved."""
+    rng = random.Random(1)
+    ids = [rng.randrange(3, 2000) for _ in range(60)]
+    with golden64.probing_index_ties(rel=0.05) as probe:
+        plain = golden64.logits(ids)
+    layer, pos = next((layer, pos) for layer, pos in probe.ties if pos >= 20)
+    with golden64.probing_index_ties([(layer, pos)], rel=0.05):
+        flipped = golden64.logits(ids)
+    assert torch.equal(flipped[:pos], plain[:pos])
+    assert not torch.allclose(flipped[pos], plain[pos])
+
+
 def test_indexer_is_causal_and_selection_restricts_attention():
     g = torch.Generator().manual_seed(1)
     T, Hi, D = 6, 2, 8

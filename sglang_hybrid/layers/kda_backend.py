@@ -139,12 +139,36 @@ def fused_recurrence(q, k, v, g, beta, state):
     return o[0], final[0].transpose(-1, -2)
 
 
+def chunked_recurrence(q, k, v, g, beta, state):
+    """The same contract on SGLang's chunked KDA kernel (chunk_kda), what bf16 serving
+    prefills with: several times faster than the fused recurrence over long chunks, not
+    fp32-exact (see _recurrent_fp32_extend_kernel)."""
+    from sglang.kernels.ops.attention.fla.kda import chunk_kda
+
+    T = q.shape[0]
+    if T == 0:
+        return v.new_zeros(v.shape), state
+    pool = state.float().transpose(-1, -2)[None].contiguous()  # one slot [1, H, V, K]; the kernel ends it in place
+    o = chunk_kda(q=q[None].contiguous(), k=k[None].contiguous(), v=v[None].clone(), g=g[None].contiguous(),
+                  beta=beta[None].contiguous(), scale=1.0, initial_state=pool,
+                  initial_state_indices=torch.zeros(1, dtype=torch.int32, device=q.device),
+                  cu_seqlens=torch.tensor([0, T], dtype=torch.int32, device=q.device))
+    return o[0], pool[0].transpose(-1, -2)  # v's copy holds the outputs (chunk_kda writes o over v)
+
+
+def _cp_recurrence(x: torch.Tensor):
+    if not x.is_cuda:
+        return ops.kda_recurrence
+    return fused_recurrence if x.dtype == torch.float32 else chunked_recurrence
+
+
 def extend_context_parallel(backend: MambaAttnBackendBase, layer, forward_batch: ForwardBatch, cp, mixed_qkv, a, b):
     """A context-parallel extend (parallel.prefill_cp) of this rank's rows, on either backend's
     pool: the short conv and the recurrence through parallel.kda_cp (summaries exchanged and
     folded in fp32), each request's final conv window and state, and the radix cache's
     snapshots inside the extend, written to every rank's own pool. Each chunk's recurrence
-    (outputs and summary) is fla's fused recurrent kernel on a GPU, the reference on CPU."""
+    (outputs and summary) is, on a GPU, fla's fused recurrent kernel when serving fp32 (the
+    exact mode) and its chunked kernel otherwise, as without CP; the reference on CPU."""
     from sglang.srt.runtime_context import get_server_args
 
     meta = backend.forward_metadata
@@ -165,7 +189,7 @@ def extend_context_parallel(backend: MambaAttnBackendBase, layer, forward_batch:
     g = ops.kda_gate(a[0].float(), layer.A_log, layer.dt_bias)
     o, final_states, snap_states = kda_cp(ops.l2norm(q) * K**-0.5, ops.l2norm(k), v, g, b[0].float(), initial,
                                           cp.lengths, cp.group, cuts,
-                                          fused_recurrence if mixed_qkv.is_cuda else ops.kda_recurrence)
+                                          _cp_recurrence(mixed_qkv))
     pairs = [(s, w, st) for s, w, st in zip(slots, final_windows, final_states) if s >= 0]
     pairs += [(snapshots[i][1], w, st) for i, w, st in zip(sorted(cuts), snap_windows, snap_states)]
     for slot, window, state in pairs:

@@ -9,6 +9,7 @@ index key). Every served output in the tests is compared to this model.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -39,6 +40,33 @@ class SequenceCache:
     length: int = 0
 
 
+@dataclass
+class TopKNearTies:
+    """The indexer's Top-K is discontinuous: where a row's K-th and (K+1)-th scores differ
+    by less than rounding, the same math summed in another order (a server's kernels, other
+    prefill chunks) may keep the other position, and the row's attention moves by far more
+    than rounding. Installed on a GoldenModel (GoldenModel.probing_index_ties), this records
+    every row whose K-th score leads the next by at most `rel` of itself, keyed (layer
+    prefix, position), and for the keys in `flips` keeps the (K+1)-th position instead of
+    the K-th: a comparison can then tell such a flip from a wrong result."""
+
+    rel: float = 1e-4
+    flips: frozenset = frozenset()
+    ties: list = field(default_factory=list)
+
+    def visit(self, layer: str, positions: torch.Tensor, scores: torch.Tensor, selected: torch.Tensor) -> None:
+        k = selected.shape[1]
+        if scores.shape[1] <= k:
+            return
+        ranked = torch.sort(scores, dim=-1, descending=True, stable=True)  # topk_positions' order and ties
+        kth, nxt = ranked.values[:, k - 1], ranked.values[:, k]
+        for r in (torch.isfinite(nxt) & (kth > 0) & (kth - nxt <= self.rel * kth)).nonzero().flatten().tolist():
+            key = (layer, int(positions[r]))
+            self.ties.append(key)
+            if key in self.flips:
+                selected[r, k - 1] = ranked.indices[r, k]
+
+
 class GoldenModel:
     def __init__(self, config: HybridLinearSparseConfig, weights: dict[str, torch.Tensor], dtype=torch.float32,
                  device="cpu"):
@@ -54,6 +82,7 @@ class GoldenModel:
         )
         # The server's --kv-cache-dtype: "fp8_e4m3" rounds the MLA latent as the FP8 cache holds it.
         self.kv_cache_dtype = "auto"
+        self.index_ties: TopKNearTies | None = None
 
     # ------------------------------------------------------------------ public
     def new_cache(self) -> SequenceCache:
@@ -104,6 +133,15 @@ class GoldenModel:
         rounded = GoldenModel(self.config, {k: v.to(dtype) for k, v in self.w.items()}, self.dtype, self.device)
         rounded.kv_cache_dtype = self.kv_cache_dtype
         return rounded
+
+    @contextmanager
+    def probing_index_ties(self, flips=(), rel: float = 1e-4):
+        """Within: the indexer's near ties recorded and `flips` taken (TopKNearTies)."""
+        self.index_ties = TopKNearTies(rel, frozenset(flips))
+        try:
+            yield self.index_ties
+        finally:
+            self.index_ties = None
 
     def logits(self, input_ids: list[int]) -> torch.Tensor:
         """Logits of one full prefill, [T, vocab]."""
@@ -278,7 +316,7 @@ class GoldenModel:
         k_nope, v = (latent @ w[p + "kv_b_proj.weight"].T).reshape(S, H, nope + vdim).split([nope, vdim], -1)
         k_rope = torch.cat(lc.rope_key)[:, None, :].expand(S, H, rope)
         k = torch.cat([k_nope, k_rope], dim=-1)
-        selected = self._index_select(q_index, index_weights, positions, torch.cat(lc.index_key))
+        selected = self._index_select(q_index, index_weights, positions, torch.cat(lc.index_key), p)
         return ops.sparse_attention(q, k, v, selected, scale=(nope + rope) ** -0.5)
 
     def _latent_cached(self, c):
@@ -314,9 +352,12 @@ class GoldenModel:
         weights = (x @ w[p + "indexer.weights_proj.weight"].T) * (Hi**-0.5 * D**-0.5)
         return q, weights
 
-    def _index_select(self, q, weights, positions, index_keys):
+    def _index_select(self, q, weights, positions, index_keys, layer: str = ""):
         scores = ops.indexer_scores(q, weights, index_keys, positions)
-        return ops.topk_positions(scores, self.config.index_topk)
+        selected = ops.topk_positions(scores, self.config.index_topk)
+        if self.index_ties is not None:
+            self.index_ties.visit(layer, positions, scores, selected)
+        return selected
 
     # --------------------------------------------------------------------- FFN
     def _ffn(self, i, x, moe: bool | None = None):
