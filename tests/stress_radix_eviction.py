@@ -17,15 +17,13 @@ sequence; with --disable-overlap-schedule none did in 57 seeds.
 
 from __future__ import annotations
 
-import concurrent.futures
 import json
 import os
-import random
 
 import pytest
 
 from conftest import Server
-from test_radix_snapshots import PAGED_SERVER_ARGS, _generate, _tokens
+from test_radix_snapshots import PAGED_SERVER_ARGS, eviction_workload
 
 pytestmark = pytest.mark.slow
 
@@ -43,21 +41,8 @@ def stress_server(checkpoint, tmp_path_factory):
 
 @pytest.mark.parametrize("seed", [int(s) for s in os.environ.get("STRESS_SEEDS", "0 1 2 3 4 5 6 7 8 9").split()])
 def test_eviction_workload(stress_server, check, seed):
-    rng = random.Random(1000 + seed)
-    systems = [_tokens(rng, n) for n in (150, 180, 210)]
-    conversations = [(systems[i % 3], [_tokens(rng, rng.randrange(5, 40)) for _ in range(3)]) for i in range(16)]
-
-    def converse(conversation):
-        history, served = list(conversation[0]), []
-        for user in conversation[1]:
-            ids = history + user
-            out, hit = _generate(stress_server.url, ids, 24)
-            served.append((ids, out, hit))
-            history = ids + out
-        return served
-
-    with concurrent.futures.ThreadPoolExecutor(4) as pool:
-        results = [turn for conversation in pool.map(converse, conversations) for turn in conversation]
+    _, _, served = eviction_workload(stress_server.url, 1000 + seed)
+    results = [turn for conversation in served for turn in conversation]
     wrong = []
     for ids, out, hit in results:
         if out == check.golden.generate(ids, len(out)):

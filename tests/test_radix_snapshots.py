@@ -44,6 +44,27 @@ def _generate(url, input_ids, max_new):
     return res["output_ids"], res["meta_info"]["cached_tokens"]
 
 
+def eviction_workload(url, seed):
+    """Sixteen conversations over three shared system prompts, three turns of 24 new
+    tokens each, four conversations at a time: (system prompts, conversations, and per
+    conversation its turns' (input ids, output ids, cached tokens))."""
+    rng = random.Random(seed)
+    systems = [_tokens(rng, n) for n in (150, 180, 210)]
+    conversations = [(systems[i % 3], [_tokens(rng, rng.randrange(5, 40)) for _ in range(3)]) for i in range(16)]
+
+    def converse(conversation):
+        history, served = list(conversation[0]), []
+        for user in conversation[1]:
+            ids = history + user
+            out, hit = _generate(url, ids, 24)
+            served.append((ids, out, hit))
+            history = ids + out
+        return served
+
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        return systems, conversations, list(pool.map(converse, conversations))
+
+
 @pytest.fixture(scope="module")
 def paged_server(checkpoint, tmp_path_factory):
     """Pages of 16 tokens, decode snapshots every 64, and pools small enough that a
@@ -135,21 +156,7 @@ def test_shared_system_prompts_multi_turn_under_eviction(paged_server, check):
     time: more distinct tokens than the token pool holds and more snapshots than the state
     pool, so prefixes and states are evicted while others are reused. Every answer equals
     the golden model's; SGLang's leak check stays clean."""
-    rng = random.Random(52)
-    systems = [_tokens(rng, n) for n in (150, 180, 210)]
-    conversations = [(systems[i % 3], [_tokens(rng, rng.randrange(5, 40)) for _ in range(3)]) for i in range(16)]
-
-    def converse(conversation):
-        history, served = list(conversation[0]), []
-        for user in conversation[1]:
-            ids = history + user
-            out, hit = _generate(paged_server.url, ids, 24)
-            served.append((ids, out, hit))
-            history = ids + out
-        return served
-
-    with concurrent.futures.ThreadPoolExecutor(4) as pool:
-        served = list(pool.map(converse, conversations))
+    systems, conversations, served = eviction_workload(paged_server.url, 52)
     # Distinct tokens = the shared system prompts plus each conversation's own turns.
     distinct = sum(map(len, systems)) + sum(len(c[-1][0]) + len(c[-1][1]) - len(s) for (s, _), c in
                                             zip(conversations, served))
