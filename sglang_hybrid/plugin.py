@@ -28,6 +28,10 @@ places SGLang hard-codes per architecture:
   radix cache may snapshot KDA states mid-sequence (extra_buffer) by name and
   asserts a GPU; ours snapshots on the GPU (SGLang's KDA backend) and on the CPU
   (layers.kda_backend.TorchKDAAttnBackend), so it takes that strategy by default.
+- SchedulerBatchResultProcessor._mamba_check_track_boundary: a decode step's
+  snapshot is filed under the length that step ran at, not the request's latest
+  prepared length (see _decode_track_boundary: under the overlap scheduler SGLang
+  could file an older snapshot under a newer length).
 """
 
 from __future__ import annotations
@@ -108,6 +112,8 @@ def register() -> None:
                                                                               HookType.AROUND),
         "sglang.srt.server_args.ServerArgs._validate_mamba_extra_buffer": (_validate_extra_buffer, HookType.AROUND),
         "sglang.srt.arg_groups.speculative_hook._handle_eagle_family": (_eagle_checks, HookType.AROUND),
+        "sglang.srt.managers.scheduler_components.batch_result_processor.SchedulerBatchResultProcessor."
+        "_mamba_check_track_boundary": (_decode_track_boundary, HookType.AROUND),
     }
     for target, (fn, kind) in hooks.items():
         HookRegistry.register(target, fn, kind)
@@ -369,6 +375,25 @@ def _cell_size_with_index_k(original, pool_configurator, kvc, num_layers):
         if tile:  # rope kept in the serving dtype, fp32 tile scales
             cell += num_layers * (hf.qk_rope_head_dim * (kvc.model_dtype.itemsize - 1) + 4 * (hf.kv_lora_rank // tile))
     return cell
+
+
+def _decode_track_boundary(original, processor, req, batch, result, i):
+    """Whether decode step `batch` wrote row i's snapshot (extra_buffer strategy), and at what length.
+
+    The forward writes the snapshot when its own length is a multiple of
+    --mamba-track-interval (ScheduleBatch.prepare_for_decode's mask). SGLang decides from
+    req.kv_committed_len, which the overlap scheduler has usually moved on to the next
+    prepared step when it processes this one, but not when that next batch is a prefill
+    without this request: the same boundary is then seen twice, the ping-pong
+    index swapped back, and a finished request files its older snapshot under the newer
+    length (a restored state of another prefix, tests/stress_radix_eviction.py). The
+    processed batch's own length sees each boundary once, with or without overlap."""
+    from sglang.srt.runtime_context import get_exec, get_server_args
+
+    if not batch.spec_algorithm.is_none() or get_server_args().enable_mamba_extra_buffer_lazy():
+        return original(processor, req, batch, result, i)
+    seq_len = int(batch.seq_lens_cpu[i])
+    return (True, seq_len) if seq_len % get_exec().mamba.mamba_track_interval == 0 else (False, 0)
 
 
 def _support_triton(original, backend: str) -> bool:

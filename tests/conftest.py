@@ -47,6 +47,22 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def by_request(step, inputs, initial, lengths, cuts=None):
+    """A recurrence (`step(*inputs, state) -> (outputs, final state)`, e.g. the reference
+    KDA recurrence or short conv) run over each request of a ragged batch on its own:
+    (outputs of all rows, each request's final state, and for each {request: tokens} cut
+    in request order the state after that many of its tokens) — what the CP paths must
+    reproduce."""
+    outs, finals, snapshots, start = [], [], [], 0
+    for i, n in enumerate(lengths):
+        o, final = step(*(x[start:start + n] for x in inputs), initial[i])
+        outs.append(o), finals.append(final)
+        if cuts and i in cuts:
+            snapshots.append(step(*(x[start:start + cuts[i]] for x in inputs), initial[i])[1])
+        start += n
+    return torch.cat(outs), torch.stack(finals), torch.stack(snapshots) if snapshots else None
+
+
 class Server:
     """A running `sglang-hybrid serve` subprocess."""
 

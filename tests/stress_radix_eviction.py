@@ -10,9 +10,10 @@ time, on a server whose pools force eviction; every answer is checked against th
 model (GoldenCheck: exact, or explained by one of the golden indexer's near ties). Each
 answer that differs from the golden model's own greedy continuation is appended to
 $STRESS_LOG (default /tmp/stress_radix_eviction.jsonl) with its prompt, output and cached
-tokens, for replay. Session 23 (CPU, 30 seeds a run): with the overlap scheduler (SGLang's
-default) 1 to 6 seeds fail a run, each a restored KDA state that belongs to another token
-sequence; with --disable-overlap-schedule none did in 57 seeds.
+tokens, for replay. `STRESS_ARGS="--mamba-track-interval 16"` makes decode snapshot
+boundaries four times as frequent as the CI test's. What it found, and the fix (a decode
+snapshot filed under the wrong length by SGLang's overlap scheduler):
+benchmarks/prefix_reuse.md.
 """
 
 from __future__ import annotations

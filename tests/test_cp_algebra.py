@@ -6,6 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from conftest import by_request
+
 from sglang_hybrid.parallel.kda_summary import chunk_summary, conv_windows, fold_states, summary_by_recurrence
 from sglang_hybrid.parallel.zigzag import chunk_bounds, contiguous_plan, rank_work, zigzag_plan
 from sglang_hybrid.reference.ops import kda_recurrence, l2norm, short_causal_conv
@@ -144,15 +146,7 @@ def test_kda_cp_with_gpu_kernels_equals_the_reference(kernel, bound, tmp_path):
     decay = decay * 0.1
     initial = torch.zeros(3, 4, 64, 64)
     initial[2] = torch.randn(4, 64, 64, generator=torch.Generator().manual_seed(4))
-    want_o, want_finals, want_snaps, start = [], [], [], 0
-    for i, n in enumerate(lengths):
-        s = slice(start, start + n)
-        o, final = kda_recurrence(q[s], k[s], v[s], decay[s], beta[s], initial[i])
-        want_o.append(o), want_finals.append(final)
-        if i in cuts:
-            c = slice(start, start + cuts[i])
-            want_snaps.append(kda_recurrence(q[c], k[c], v[c], decay[c], beta[c], initial[i])[1])
-        start += n
+    want = by_request(kda_recurrence, (q, k, v, decay, beta), initial, lengths, cuts)
     rows = zigzag_plan(lengths, 1).rank_tokens[0]
     torch.cuda.set_device(0)
     dist.init_process_group("nccl", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
@@ -161,8 +155,7 @@ def test_kda_cp_with_gpu_kernels_equals_the_reference(kernel, bound, tmp_path):
                      getattr(kda_backend, kernel))
     finally:
         dist.destroy_process_group()
-    errors = [_relative_error(g.cpu(), w) for g, w in zip(got, (torch.cat(want_o)[rows], torch.stack(want_finals),
-                                                                 torch.stack(want_snaps)))]
+    errors = [_relative_error(g.cpu(), w) for g, w in zip(got, (want[0][rows], *want[1:]))]
     assert max(errors) < bound, f"relative errors (o, finals, snapshots): {errors}"
 
 

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from conftest import free_port
+from conftest import by_request, free_port
 
 from sglang_hybrid.parallel.kda_cp import conv_cp, kda_cp
 from sglang_hybrid.parallel.sparse_cp import sparse_layer_cp
@@ -40,31 +40,16 @@ def _batch():
 
 
 def _reference(b):
-    outs, states, convs, windows, start = [], [], [], [], 0
-    for i, n in enumerate(LENGTHS):
-        s = slice(start, start + n)
-        o, final = kda_recurrence(b["q"][s], b["k"][s], b["v"][s], b["g"][s], b["beta"][s], b["initial"][i])
-        c, w = short_causal_conv(b["x"][s], b["windows"][i], b["weight"])
-        outs.append(o), states.append(final), convs.append(c), windows.append(w)
-        start += n
-    return torch.cat(outs), torch.stack(states), torch.cat(convs), torch.stack(windows)
+    """(KDA outputs, final states, snapshot states), (conv outputs, final windows, snapshot windows)."""
+    conv = lambda x, window: short_causal_conv(x, window, b["weight"])  # noqa: E731
+    return (by_request(kda_recurrence, [b[n] for n in ("q", "k", "v", "g", "beta")], b["initial"], LENGTHS, CUTS),
+            by_request(conv, [b["x"]], b["windows"], LENGTHS, CUTS))
 
 
 # {request: new tokens before its snapshot}: 23 of 37 (inside a chunk at W = 2 and 4), all
 # of a one-token request, none of request 2's, 10 of request 3's 20 (a chunk boundary at
 # W = 2, chunks of 5; inside a chunk at W = 4) on top of its cached state.
 CUTS = {0: 23, 1: 1, 2: 0, 3: 10}
-
-
-def _reference_snapshots(b):
-    states, windows, starts = [], [], [0]
-    for n in LENGTHS:
-        starts.append(starts[-1] + n)
-    for i, c in sorted(CUTS.items()):
-        s = slice(starts[i], starts[i] + c)
-        states.append(kda_recurrence(b["q"][s], b["k"][s], b["v"][s], b["g"][s], b["beta"][s], b["initial"][i])[1])
-        windows.append(short_causal_conv(b["x"][s], b["windows"][i], b["weight"])[1])
-    return torch.stack(states), torch.stack(windows)
 
 
 def _worker(rank, world, port):
@@ -77,12 +62,11 @@ def _worker(rank, world, port):
         o, finals, snap_states = kda_cp(b["q"][rows], b["k"][rows], b["v"][rows], b["g"][rows], b["beta"][rows],
                                         b["initial"], LENGTHS, cuts=CUTS)
         c, windows, snap_windows = conv_cp(b["x"][rows], b["windows"], b["weight"], LENGTHS, cuts=CUTS)
-        ref_o, ref_states, ref_c, ref_windows = _reference(b)
+        (ref_o, ref_states, ref_snap_states), (ref_c, ref_windows, ref_snap_windows) = _reference(b)
         torch.testing.assert_close(o, ref_o[rows], rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(finals, ref_states, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(c, ref_c[rows], rtol=1e-6, atol=1e-6)
         torch.testing.assert_close(windows, ref_windows)
-        ref_snap_states, ref_snap_windows = _reference_snapshots(b)
         torch.testing.assert_close(snap_states, ref_snap_states, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(snap_windows, ref_snap_windows)
         # Every rank's rows gathered back and restored: the batch's order.
