@@ -44,7 +44,7 @@ _announced = False
 class PrefillCP:
     """One extend batch split over the attention CP group."""
 
-    plan: ZigzagPlan
+    plan: ZigzagPlan  # on the batch's device
     lengths: list[int]  # new tokens per request
     rows: torch.Tensor  # this rank's rows: indices into the batch's new tokens, on the device
     group: object  # the CP group's torch.distributed group
@@ -68,7 +68,8 @@ def split_prefill(forward_batch: ForwardBatch) -> PrefillCP | None:
     if sum(lengths) < 2 * world:
         return None
     plan = zigzag_plan(lengths, world, [int(p) for p in forward_batch.extend_prefix_lens_cpu])
-    rows = plan.rank_tokens[ps.attn_cp_rank].to(forward_batch.input_ids.device)
+    plan = plan.to(forward_batch.input_ids.device)
+    rows = plan.rank_tokens[ps.attn_cp_rank]
     global _announced
     if not _announced:  # once per process: says the path is live (tests read it)
         _announced = True

@@ -12,7 +12,7 @@ is small by definition, and the rule needs no special case. A cached prefix is h
 not work: only the new tokens of a request are partitioned (`prefix_lens`), at their
 absolute positions.
 
-The plan is host-side bookkeeping (Python lists), made once per batch.
+The plan is made once per batch on the host; a served batch moves it to the device once.
 """
 
 from __future__ import annotations
@@ -51,6 +51,12 @@ class ZigzagPlan:
     def total(self) -> int:
         """New tokens in the batch."""
         return sum(t.numel() for t in self.rank_tokens)
+
+    def to(self, device) -> ZigzagPlan:
+        """The plan with its indices on `device` (a served forward restores order every layer:
+        indices already there cost no host-to-device copy)."""
+        return ZigzagPlan(self.world, [t.to(device) for t in self.rank_tokens],
+                          [p.to(device) for p in self.rank_positions])
 
     def restore(self, per_rank: list[torch.Tensor]) -> torch.Tensor:
         """Rank outputs (dim 0 in rank_tokens order) -> the batch's original token order."""
