@@ -89,9 +89,11 @@ def _tile_keys(s0, n, n_max, req, q, w, table_ptr, k_ptr, ks_ptr, stride_table, 
     seen = pos < n_max
     slot = tl.load(table_ptr + req * stride_table + pos, mask=seen, other=0).to(tl.int64)
     k = tl.load(k_ptr + slot[:, None] * stride_k + offs_d[None, :], mask=seen[:, None], other=0.0)
-    if GROUP:
-        ks = tl.load(ks_ptr + slot[:, None] * stride_ks + (offs_d // GROUP)[None, :], mask=seen[:, None], other=127)
-        k = k.to(tl.float32) * _e8m0(ks)
+    if GROUP:  # one scale byte per group, broadcast over it in registers (not loaded per element)
+        offs_g = tl.arange(0, D // GROUP)
+        ks = tl.load(ks_ptr + slot[:, None] * stride_ks + offs_g[None, :], mask=seen[:, None], other=127)
+        k = tl.reshape(tl.reshape(k.to(tl.float32), [BLOCK_S, D // GROUP, GROUP]) * _e8m0(ks)[:, :, None],
+                       [BLOCK_S, D])
     logits = tl.reshape(tl.dot(k.to(DOT_DTYPE), tl.trans(q)), [BLOCK_S, BLOCK_M, BLOCK_H])  # fp32
     score = tl.trans(tl.sum(tl.maximum(logits, 0.0) * w[None, :, :], axis=2))  # [BLOCK_M, BLOCK_S]
     visible = pos[None, :] < n[:, None]

@@ -257,6 +257,20 @@ def test_mxfp8_random_inputs_match_reference(row_lens, reqs, H, D, topk):
     _assert_match_up_to_near_ties(idx, scores, ref_idx, ref_scores)
 
 
+def test_mxfp8_each_group_scale_applies_to_its_own_columns():
+    """Groups of very different magnitude (2^-6 .. 2^5, exact in e4m3 x e8m0): a scale applied
+    to the wrong group's columns changes the scores, so the selection and scores must equal
+    the reference's exactly."""
+    q, w, k, *rest = _case([150, 90, 33], [0, 1, 1], 4, 64, 150, integer=True, dtype=torch.float32, seed=3)
+    per_group = torch.tensor([2.0**-6, 1.0, 2.0**5, 2.0**-2], device=k.device).repeat_interleave(16)
+    args, scales = _mxfp8((q * per_group.flip(0), w, k * per_group, *rest), 16)
+    idx, scores = indexer_topk(*args, 16, return_scores=True, block_s=16, programs=4, **scales)
+    ref_idx, ref_scores = indexer_topk_torch(*args, 16, return_scores=True, **scales)
+    assert scales["k_scale"].unique().numel() > 2  # the groups really differ
+    assert torch.equal(idx.cpu(), ref_idx.cpu())
+    assert torch.equal(scores.cpu(), ref_scores.cpu())
+
+
 def test_mxfp8_scales_must_come_in_pairs_and_match():
     args, scales = _mxfp8(_case([4], [0], 2, 32, 4, integer=True, dtype=torch.float32), 32)
     with pytest.raises(ValueError, match="both"):
