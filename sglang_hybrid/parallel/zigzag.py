@@ -17,6 +17,7 @@ The plan is made once per batch on the host; a served batch moves it to the devi
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -58,12 +59,15 @@ class ZigzagPlan:
         return ZigzagPlan(self.world, [t.to(device) for t in self.rank_tokens],
                           [p.to(device) for p in self.rank_positions])
 
+    @functools.cached_property
+    def _inverse(self) -> torch.Tensor:
+        """For each new token of the batch, its row among the ranks' outputs concatenated
+        (computed once per plan, on the plan's device: every layer restores with it)."""
+        return torch.argsort(torch.cat(self.rank_tokens))
+
     def restore(self, per_rank: list[torch.Tensor]) -> torch.Tensor:
         """Rank outputs (dim 0 in rank_tokens order) -> the batch's original token order."""
-        order = torch.cat(self.rank_tokens)
-        out = per_rank[0].new_empty((order.numel(),) + tuple(per_rank[0].shape[1:]))
-        out[order] = torch.cat(per_rank)
-        return out
+        return torch.cat(per_rank).index_select(0, self._inverse)
 
 
 def _plan(lengths: list[int], world: int, prefix_lens: list[int] | None, owner) -> ZigzagPlan:
