@@ -111,10 +111,11 @@ part() {
                     --out "$OUT/prefix-reuse/prefix_reuse.json" --mem-fraction-static 0.25 \
                     > "$OUT/prefix-reuse/log.txt" 2>&1
                   echo "prefix-reuse: rc=$?"; tail -16 "$OUT/prefix-reuse/log.txt" | cut -c1-300 ;;
-    # The same on the 48B-A3B-class bench config (dummy weights; the whole GPU).
+    # The same on the 48B-A3B-class bench config (dummy weights; the whole GPU), then one floor and
+    # one warm request profiled (where the per-request floor goes).
     prefix-reuse-bench) mkdir -p "$OUT/prefix-reuse-bench"
                   python3 -m sglang_hybrid.cli make-checkpoint --preset bench --out /tmp/ckpt-bench > /dev/null
-                  timeout 320 python3 benchmarks/prefix_reuse.py --model-path /tmp/ckpt-bench --rounds 3 \
+                  timeout 380 python3 benchmarks/prefix_reuse.py --model-path /tmp/ckpt-bench --rounds 3 --profile \
                     --out "$OUT/prefix-reuse-bench/prefix_reuse.json" --load-format dummy --context-length 40000 \
                     --mem-fraction-static 0.9 > "$OUT/prefix-reuse-bench/log.txt" 2>&1
                   echo "prefix-reuse-bench: rc=$?"; tail -16 "$OUT/prefix-reuse-bench/log.txt" | cut -c1-300 ;;

@@ -10,6 +10,11 @@ first compiles the kernels for these shapes. Also reported: the reuse depth SGLa
 bytes of one state snapshot (all KDA layers) and of one token of latent KV + index-K,
 read from the server's own allocation log lines.
 
+With --profile, after the timed rounds one floor request and one warm request are each run
+as a profiled scheduler step (SGLang's /start_profile, benchmarks/profile_trace.py): GPU busy
+time against the step's span and its host ops' span, launches, and the top kernels, which
+says where the floor goes.
+
     python benchmarks/prefix_reuse.py --model-path CKPT --out result.json [server args...]
 """
 
@@ -17,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import re
 import statistics
@@ -25,6 +31,9 @@ import sys
 import time
 
 import requests
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import profile_trace  # noqa: E402
 
 
 def start_server(model_path: str, port: int, extra: list[str], log_path: str) -> subprocess.Popen:
@@ -75,12 +84,15 @@ def main():
     ap.add_argument("--port", type=int, default=31555)
     ap.add_argument("--out", required=True)
     ap.add_argument("--log", default=None)
+    ap.add_argument("--profile", action="store_true", help="profile one floor and one warm request's prefill step")
     args, server_args = ap.parse_known_args()
     log_path = args.log or args.out.replace(".json", "_server.log")
     proc = start_server(args.model_path, args.port, server_args, log_path)
     url = f"http://127.0.0.1:{args.port}"
     rng = random.Random(0)
-    tokens = lambda n: [rng.randrange(100, 30000) for _ in range(n)]  # noqa: E731
+    with open(os.path.join(args.model_path, "config.json")) as f:
+        vocab = json.load(f)["vocab_size"]
+    tokens = lambda n: [rng.randrange(100, min(vocab, 30000)) for _ in range(n)]  # noqa: E731
     try:
         rounds = []
         for _ in range(args.rounds + 1):
@@ -92,6 +104,16 @@ def main():
                            "warm_cached": warm_hit})
             print(json.dumps(rounds[-1]), flush=True)
         rounds = rounds[1:]  # the first compiled the kernels
+        profiles = {}
+        if args.profile:
+            trace_root = os.path.join(os.path.dirname(os.path.abspath(log_path)), "profile")
+            profiles["floor"] = profile_trace.profile(url, os.path.join(trace_root, "floor"), 1,
+                                                      lambda: first_token(url, tokens(args.suffix)))
+            prefix = tokens(args.prefix)
+            first_token(url, prefix + tokens(args.suffix))  # cold, not profiled
+            profiles["warm"] = profile_trace.profile(url, os.path.join(trace_root, "warm"), 1,
+                                                     lambda: first_token(url, prefix + tokens(args.suffix)))
+            print(json.dumps(profiles, indent=1), flush=True)
     finally:
         proc.terminate()
         proc.wait(60)
@@ -100,11 +122,11 @@ def main():
     floor = statistics.median(r["floor_s"] for r in rounds)
     result = {"prefix": args.prefix, "suffix": args.suffix, "server_args": server_args, "rounds": rounds,
               "cold_ttft_s": cold, "warm_ttft_s": warm, "floor_ttft_s": floor, "warm_over_cold": warm / cold,
-              "floor_over_cold": floor / cold,
+              "floor_over_cold": floor / cold, **({"profiles": profiles} if profiles else {}),
               **allocation_bytes(open(log_path, errors="replace").read())}
     if "state_snapshot_bytes" in result and "kv_bytes_per_token" in result:
         result["snapshot_in_tokens_of_kv"] = result["state_snapshot_bytes"] / result["kv_bytes_per_token"]
-    print(json.dumps({k: v for k, v in result.items() if k != "rounds"}, indent=1))
+    print(json.dumps({k: v for k, v in result.items() if k not in ("rounds", "profiles")}, indent=1))
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
 

@@ -53,6 +53,7 @@ import requests
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import profile_trace  # noqa: E402
 from prefix_reuse import start_server  # noqa: E402
 
 
@@ -93,76 +94,9 @@ def rollback_cost(preset: str, batch_sizes: list[int], draft_tokens: int) -> lis
     return rows
 
 
-def gpu_time_per_step(trace_dir: str, steps: int) -> dict:
-    """GPU busy time per scheduler step from a torch-profiler trace: kernel, memcpy and memset
-    intervals merged, against the span from the first to the last of them."""
-    import glob
-    import gzip
-
-    paths = sorted(glob.glob(os.path.join(trace_dir, "*.trace.json.gz")))
-    if not paths:
-        return {"error": f"no trace in {trace_dir}"}
-    with gzip.open(paths[-1], "rt") as f:
-        events = json.load(f).get("traceEvents", [])
-    gpu = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e]
-    if not gpu:
-        return {"error": "no GPU events in the trace"}
-    spans = sorted((float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in gpu)
-    busy, end = 0.0, spans[0][0]
-    for a, b in spans:
-        busy += max(0.0, b - max(a, end))
-        end = max(end, b)
-    per_kernel: dict[str, float] = {}
-    for e in gpu:
-        per_kernel[e["name"]] = per_kernel.get(e["name"], 0.0) + float(e["dur"])
-    top = sorted(per_kernel.items(), key=lambda kv: -kv[1])[:12]
-    span = end - spans[0][0]
-    return {"steps": steps, "gpu_busy_ms_per_step": busy / steps / 1e3, "span_ms_per_step": span / steps / 1e3,
-            "gpu_busy_fraction": busy / span, "launches_per_step": len(gpu) / steps,
-            "graph_replays": graph_replay_gpu_ms(events),
-            "top_kernels_ms_per_step": {name[:120]: t / steps / 1e3 for name, t in top}}
-
-
-# Which CUDA graph a replay is, by the Python frame that launched it (SGLang 0.5.17's names).
-_PHASES = (("verify", "run_eagle_verify"), ("draft_extend", "draft_extend"),
-           ("draft", "eagle_draft_cuda_graph_runner"), ("decode", "decode_cuda_graph_runner"))
-
-
-def graph_replay_gpu_ms(events: list) -> dict:
-    """GPU time of each kind of CUDA-graph replay (the kernels of one cudaGraphLaunch, summed),
-    per replay: the target's decode step, its verify forward, the draft head's extend and its
-    later steps. The verify's over the decode's is the verify-step cost, free of host gaps."""
-    kernels: dict = {}
-    for e in events:
-        if e.get("cat") == "kernel" and "dur" in e:
-            kernels.setdefault(e["args"].get("correlation"), []).append(float(e["dur"]))
-    frames: dict = {}
-    for e in events:
-        if e.get("cat") == "python_function" and e.get("ph") == "X":
-            frames.setdefault(e["tid"], []).append(e)
-    out: dict = {}
-    for e in events:
-        if e.get("cat") != "cuda_runtime" or "GraphLaunch" not in e.get("name", ""):
-            continue
-        durs = kernels.get(e["args"].get("correlation"))
-        if not durs:
-            continue
-        stack = " ".join(f["name"] for f in frames.get(e["tid"], []) if f["ts"] <= e["ts"] <= f["ts"] + f["dur"])
-        phase = next((name for name, frame in _PHASES if frame in stack), "other")
-        n, total = out.get(phase, (0, 0.0))
-        out[phase] = (n + 1, total + sum(durs))
-    return {phase: {"replays": n, "gpu_ms_per_replay": total / n / 1e3} for phase, (n, total) in out.items()}
-
-
 def profile_steps(url: str, out_dir: str, steps: int, prompt_len: int) -> dict:
-    requests.post(url + "/start_profile", json={"output_dir": out_dir, "num_steps": steps,
-                                                "activities": ["CPU", "GPU"]}, timeout=60).raise_for_status()
-    decode_run(url, 1, steps * 8, prompt_len, seed=12345)  # enough steps whatever the acceptance
-    deadline = time.time() + 120  # the trace is written after the last profiled step
-    while time.time() < deadline and not any(n.endswith(".trace.json.gz") for n in os.listdir(out_dir)):
-        time.sleep(1)
-    time.sleep(2)
-    return gpu_time_per_step(out_dir, steps)
+    # enough steps whatever the acceptance
+    return profile_trace.profile(url, out_dir, steps, lambda: decode_run(url, 1, steps * 8, prompt_len, seed=12345))
 
 
 def decode_run(url: str, batch: int, new_tokens: int, prompt_len: int, seed: int) -> dict:

@@ -28,6 +28,8 @@ places SGLang hard-codes per architecture:
   radix cache may snapshot KDA states mid-sequence (extra_buffer) by name and
   asserts a GPU; ours snapshots on the GPU (SGLang's KDA backend) and on the CPU
   (layers.kda_backend.TorchKDAAttnBackend), so it takes that strategy by default.
+- TokenizerManager._validate_one_request: input_ids outside the vocabulary are refused
+  (SGLang has the check but never calls it; the scheduler died on such a request).
 - SchedulerBatchResultProcessor._mamba_check_track_boundary: a decode step's
   snapshot is filed under the length that step ran at, not the request's latest
   prepared length (see _decode_track_boundary: under the overlap scheduler SGLang
@@ -114,6 +116,8 @@ def register() -> None:
         "sglang.srt.arg_groups.speculative_hook._handle_eagle_family": (_eagle_checks, HookType.AROUND),
         "sglang.srt.managers.scheduler_components.batch_result_processor.SchedulerBatchResultProcessor."
         "_mamba_check_track_boundary": (_decode_track_boundary, HookType.AROUND),
+        "sglang.srt.managers.tokenizer_manager.TokenizerManager._validate_one_request": (
+            _input_ids_in_vocabulary, HookType.BEFORE),
     }
     for target, (fn, kind) in hooks.items():
         HookRegistry.register(target, fn, kind)
@@ -394,6 +398,22 @@ def _decode_track_boundary(original, processor, req, batch, result, i):
         return original(processor, req, batch, result, i)
     seq_len = int(batch.seq_lens_cpu[i])
     return (True, seq_len) if seq_len % get_exec().mamba.mamba_track_interval == 0 else (False, 0)
+
+
+def _input_ids_in_vocabulary(manager, obj, input_ids, *args, **kwargs):
+    """Refuse a request whose input_ids leave the vocabulary (HTTP 400, the server keeps
+    serving). SGLang 0.5.17 has the check (TokenizerManager._validate_input_ids_in_vocab)
+    but never calls it: such an id reaches the embedding and takes the scheduler down, with
+    every request in flight (an IndexError on a CPU, a device-side assert on a GPU). Ids
+    from SGLang's own tokenizer are always in range, so only given ids are checked."""
+    if getattr(obj, "input_ids", None) is None or not input_ids or not _is_ours(manager.model_config.hf_config):
+        return None
+    vocab = manager.model_config.vocab_size
+    lo, hi = min(input_ids), max(input_ids)  # C loops: ~1 ms each at 128K tokens
+    if lo < 0 or hi >= vocab:
+        raise ValueError(f"input_ids hold token id {lo if lo < 0 else hi}, outside the model's vocabulary "
+                         f"[0, {vocab})")
+    return None
 
 
 def _support_triton(original, backend: str) -> bool:

@@ -158,6 +158,23 @@ def test_request_longer_than_context_is_rejected_and_server_keeps_serving(server
     check.greedy(ids, _generate(server.url, ids)["output_ids"])
 
 
+def test_token_ids_outside_the_vocabulary_are_rejected_and_server_keeps_serving(server, check, checkpoint):
+    """SGLang 0.5.17 let such an id reach the embedding, and the scheduler died (plugin hook)."""
+    from sglang_hybrid.configs import HybridLinearSparseConfig
+
+    vocab = HybridLinearSparseConfig.from_pretrained(checkpoint).vocab_size
+    for bad in (vocab, -1):
+        r = requests.post(server.url + "/generate",
+                          json={"input_ids": [5, bad, 7], "sampling_params": {"max_new_tokens": 4}}, timeout=60)
+        assert r.status_code == 400, r.text
+        assert f"token id {bad}, outside the model's vocabulary [0, {vocab})" in r.json()["error"]["message"]
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused")
+    with pytest.raises(openai.BadRequestError, match="outside the model's vocabulary"):
+        client.completions.create(model="tiny", prompt=[3, vocab + 5], max_tokens=4)
+    ids = [5, 6, 7]
+    check.greedy(ids, _generate(server.url, ids)["output_ids"])
+
+
 def test_memory_leak_check_stays_clean(server):
     """SGLang checks its pools for leaks whenever the scheduler goes idle (strict mode raises)."""
     import time
