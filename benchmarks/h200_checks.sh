@@ -142,6 +142,11 @@ part() {
              timeout 420 python3 benchmarks/cp_prefill_cost.py --out "$OUT/cp-cost/cp_prefill_cost.json" \
                > "$OUT/cp-cost/log.txt" 2>&1
              echo "cp-cost: rc=$?"; tail -4 "$OUT/cp-cost/log.txt" | cut -c1-400 ;;
+    # Issue 4/7: each CP rank's sparse-layer time (indexer + sparse MLA over its rows), zigzag vs contiguous.
+    cp-rank-time) mkdir -p "$OUT/cp-rank-time"
+             timeout 300 python3 benchmarks/cp_rank_time.py --out "$OUT/cp-rank-time/cp_rank_time.json" \
+               > "$OUT/cp-rank-time/log.txt" 2>&1
+             echo "cp-rank-time: rc=$?"; tail -9 "$OUT/cp-rank-time/log.txt" | cut -c1-400 ;;
     *) echo "usage: bash benchmarks/h200_checks.sh GROUP... (GROUP: PART[,PART...]; parts are named in this file)" >&2
        exit 2 ;;
   esac
