@@ -86,7 +86,6 @@ def rank_times(T: int, world: int, args, device: str, dtype) -> dict:
             indexer_ms = timed(lambda: indexer_topk(q_index, weights, index_k, table, row_req, row_len, args.topk,
                                                     block_m=_EXTEND_ROW_BLOCK), device, args.repeats)
             per_rank.append({"tokens": R, "layer_ms": timed(layer, device, args.repeats), "indexer_ms": indexer_ms})
-            del q_index, weights, q
         layer = [r["layer_ms"] for r in per_rank]
         out[name] = {"ranks": per_rank, "slowest_ms": max(layer), "mean_ms": statistics.mean(layer),
                      "spread_max_over_mean": max(layer) / statistics.mean(layer),

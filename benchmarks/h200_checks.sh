@@ -147,6 +147,14 @@ part() {
              timeout 300 python3 benchmarks/cp_rank_time.py --out "$OUT/cp-rank-time/cp_rank_time.json" \
                > "$OUT/cp-rank-time/log.txt" 2>&1
              echo "cp-rank-time: rc=$?"; tail -9 "$OUT/cp-rank-time/log.txt" | cut -c1-400 ;;
+    # Issue 7, on a host with 2 (multi-gpu-2) or 4 (multi-gpu-4) GPUs: layouts against one GPU, small preset.
+    multi-gpu-2|multi-gpu-4) mkdir -p "$OUT/$1"
+             python3 -m sglang_hybrid.cli make-checkpoint --preset small --out /tmp/ckpt-small-mg > /dev/null
+             layouts="tp1 tp2 cp2"; [ "$1" = multi-gpu-4 ] && layouts="tp1 cp4 cp2xtp2"
+             SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN=1 timeout 560 python3 benchmarks/multi_gpu.py \
+               --model-path /tmp/ckpt-small-mg --out "$OUT/$1/multi_gpu.json" --layouts $layouts --profile \
+               --dtype bfloat16 --context-length 132000 --mem-fraction-static 0.8 > "$OUT/$1/log.txt" 2>&1
+             echo "$1: rc=$?"; tail -4 "$OUT/$1/log.txt" | cut -c1-600 ;;
     *) echo "usage: bash benchmarks/h200_checks.sh GROUP... (GROUP: PART[,PART...]; parts are named in this file)" >&2
        exit 2 ;;
   esac

@@ -23,7 +23,7 @@ import subprocess
 import sys
 import tempfile
 
-from prefix_reuse import start_server
+from prefix_reuse import start_server, stop_server
 
 
 def bench_env() -> dict:
@@ -81,8 +81,7 @@ def main():
         try:
             results[name] = bench(args, args.port, f"{stem}_{name}.jsonl")
         finally:
-            proc.terminate()
-            proc.wait(60)
+            stop_server(proc)
     r, n = results["radix"], results["no_radix"]
     summary = {"workload": {k: getattr(args, k) for k in ("groups", "per_group", "system_len", "question_len",
                                                           "output_len", "turns", "concurrency")},

@@ -25,6 +25,7 @@ import json
 import os
 import random
 import re
+import signal
 import statistics
 import subprocess
 import sys
@@ -52,6 +53,16 @@ def start_server(model_path: str, port: int, extra: list[str], log_path: str) ->
             pass
         time.sleep(2)
     raise TimeoutError(f"server not ready; see {log_path}")
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    """The launcher and its scheduler processes (one per rank) alike."""
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
 
 
 def first_token(url: str, ids: list[int]) -> tuple[float, int]:
@@ -115,8 +126,7 @@ def main():
                                                      lambda: first_token(url, prefix + tokens(args.suffix)))
             print(json.dumps(profiles, indent=1), flush=True)
     finally:
-        proc.terminate()
-        proc.wait(60)
+        stop_server(proc)
     cold = statistics.median(r["cold_s"] for r in rounds)
     warm = statistics.median(r["warm_s"] for r in rounds)
     floor = statistics.median(r["floor_s"] for r in rounds)

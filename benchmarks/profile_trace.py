@@ -9,33 +9,45 @@ import glob
 import gzip
 import json
 import os
+import re
 import time
 
 import requests
 
 
-def profile(url: str, out_dir: str, steps: int, run) -> dict:
-    """Profile the server's next `steps` scheduler steps while run() sends their requests."""
+def profile(url: str, out_dir: str, steps: int, run, ranks: int = 1) -> dict:
+    """Profile the server's next `steps` scheduler steps while run() sends their requests. With
+    ranks > 1 (a tensor- or context-parallel server: each rank writes its own trace,
+    `...-TP-<rank>.trace.json.gz`) the summary of each, by rank."""
     os.makedirs(out_dir, exist_ok=True)
     requests.post(url + "/start_profile", json={"output_dir": out_dir, "num_steps": steps,
                                                 "activities": ["CPU", "GPU"]}, timeout=60).raise_for_status()
     run()
-    deadline = time.time() + 120  # the trace is written after the last profiled step
-    while time.time() < deadline and not any(n.endswith(".trace.json.gz") for n in os.listdir(out_dir)):
+    deadline = time.time() + 120  # the traces are written after the last profiled step
+    while time.time() < deadline and len(_traces(out_dir)) < ranks:
         time.sleep(1)
     time.sleep(2)
-    return gpu_time_per_step(out_dir, steps)
+    if ranks == 1:
+        return gpu_time_per_step(out_dir, steps)
+    return {re.search(r"TP-\d+", path)[0]: summarize(path, steps) for path in _traces(out_dir)}
+
+
+def _traces(trace_dir: str) -> list[str]:
+    return sorted(glob.glob(os.path.join(trace_dir, "*.trace.json.gz")))
 
 
 def gpu_time_per_step(trace_dir: str, steps: int) -> dict:
+    """summarize() of the newest trace in trace_dir."""
+    paths = _traces(trace_dir)
+    return summarize(paths[-1], steps) if paths else {"error": f"no trace in {trace_dir}"}
+
+
+def summarize(path: str, steps: int) -> dict:
     """GPU busy time per scheduler step from a torch-profiler trace: kernel, memcpy and memset
     intervals merged, against the span from the first to the last of them, and the span of
     the host's torch ops (a step whose host span far exceeds its GPU busy time waits on the
     host: eager launches, Python)."""
-    paths = sorted(glob.glob(os.path.join(trace_dir, "*.trace.json.gz")))
-    if not paths:
-        return {"error": f"no trace in {trace_dir}"}
-    with gzip.open(paths[-1], "rt") as f:
+    with gzip.open(path, "rt") as f:
         events = json.load(f).get("traceEvents", [])
     host = [e for e in events if e.get("cat") == "cpu_op" and "dur" in e]
     host_span = (max(float(e["ts"]) + float(e["dur"]) for e in host) - min(float(e["ts"]) for e in host)) if host else 0.0

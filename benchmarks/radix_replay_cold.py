@@ -18,7 +18,7 @@ import json
 
 import requests
 
-from prefix_reuse import start_server
+from prefix_reuse import start_server, stop_server
 
 
 def main():
@@ -43,8 +43,7 @@ def main():
             report.append({"prompt_len": len(req["input_ids"]), "warm_cached": req["cached_tokens"],
                            "warm_equals_cold": first_diff is None, "first_difference_at": first_diff})
     finally:
-        proc.terminate()
-        proc.wait(60)
+        stop_server(proc)
     summary = {"requests": len(report), "warm_equals_cold": sum(r["warm_equals_cold"] for r in report),
                "differ": [r for r in report if not r["warm_equals_cold"]]}
     print(json.dumps(summary, indent=1))

@@ -54,7 +54,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import profile_trace  # noqa: E402
-from prefix_reuse import start_server  # noqa: E402
+from prefix_reuse import start_server, stop_server  # noqa: E402
 
 
 def rollback_cost(preset: str, batch_sizes: list[int], draft_tokens: int) -> list[dict]:
@@ -197,16 +197,13 @@ def main():
                 print(json.dumps(row), flush=True)
             if args.profile:
                 trace_dir = os.path.join(log_dir, f"profile_{i}")
-                os.makedirs(trace_dir, exist_ok=True)
                 profiles.append({"config": name, **profile_steps(url, trace_dir, args.profile_steps,
                                                                  args.prompt_len)})
                 print(json.dumps(profiles[-1]), flush=True)
-            procs[i].terminate()
+            stop_server(procs[i])
     finally:
         for p in filter(None, procs):
-            p.terminate()
-        for p in filter(None, procs):
-            p.wait(60)
+            stop_server(p)
     plain = {r["batch"]: r for r in rows if r["steps"] == 0}
     for r in rows:
         base = plain.get(r["batch"])
