@@ -11,7 +11,10 @@ model (GoldenCheck: exact, or explained by one of the golden indexer's near ties
 answer that differs from the golden model's own greedy continuation is appended to
 $STRESS_LOG (default /tmp/stress_radix_eviction.jsonl) with its prompt, output and cached
 tokens, for replay. `STRESS_ARGS="--mamba-track-interval 16"` makes decode snapshot
-boundaries four times as frequent as the CI test's. What it found, and the fix (a decode
+boundaries four times as frequent as the CI test's. `STRESS_NEAR_BIGRAM=0` serves a
+near-bigram checkpoint (`make-checkpoint --near-bigram`) whose draft head always agrees with
+the target: with speculative arguments in STRESS_ARGS, accepted runs then cross decode
+snapshot boundaries. What it found, and the fix (a decode
 snapshot filed under the wrong length by SGLang's overlap scheduler):
 benchmarks/prefix_reuse.md.
 """
@@ -27,6 +30,15 @@ from conftest import Server
 from test_radix_snapshots import PAGED_SERVER_ARGS, eviction_workload
 
 pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="session")
+def checkpoint(preset, tmp_path_factory) -> str:
+    from sglang_hybrid.checkpoints.maker import make_checkpoint
+
+    scale = os.environ.get("STRESS_NEAR_BIGRAM")
+    return make_checkpoint(preset, str(tmp_path_factory.mktemp(preset)), seed=0,
+                           near_bigram=None if scale is None else float(scale))
 
 
 @pytest.fixture(scope="module")
