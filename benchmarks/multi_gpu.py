@@ -36,13 +36,12 @@ import os
 import random
 import statistics
 import sys
-import time
 
 import requests
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import profile_trace  # noqa: E402
-from prefix_reuse import start_server, stop_server  # noqa: E402
+from prefix_reuse import first_token, start_server, stop_server  # noqa: E402
 
 CP = ["--enable-prefill-cp", "--cp-strategy", "zigzag"]
 LAYOUTS = {
@@ -80,10 +79,7 @@ def compare(ref: dict, got: dict) -> dict:
 
 
 def ttft(url: str, ids: list[int]) -> float:
-    body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 1, "temperature": 0}}
-    t = time.perf_counter()
-    requests.post(url + "/generate", json=body, timeout=1800).raise_for_status()
-    return time.perf_counter() - t
+    return first_token(url, ids)[0]
 
 
 def run_layout(name: str, args, server_args: list[str], prompts, long_prompts, log_dir: str) -> dict:
