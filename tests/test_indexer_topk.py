@@ -296,7 +296,7 @@ def test_rejects_unsupported_head_dim():
 def test_tree_draft_rows_see_what_sglang_draft_attention_reads(topk, num_steps, page_size):
     """The sparse draft head's tree rows (backend.draft_tree_rows) see exactly the positions
     SGLang's own draft attention reads at each step: its kv indices from
-    generate_draft_decode_kv_indices (run here in the interpreter), at page size 1 and with
+    generate_draft_decode_kv_indices (on the GPU, or in the interpreter on CPU), at page size 1 and with
     pages (each branch in its own page-aligned region)."""
     from sglang_hybrid.layers.sparse_mla_backend import draft_tree_rows
 
@@ -309,9 +309,11 @@ def test_tree_draft_rows_see_what_sglang_draft_attention_reads(topk, num_steps, 
     kv_indices = torch.full((num_steps, width), -1, dtype=torch.int32)
     kv_indptr = torch.zeros((num_steps, bs * topk + 1), dtype=torch.int32)
     positions = seq_lens.repeat_interleave(topk)
+    on = [t.to(DEVICE) for t in (req_pool_indices, req_to_token, seq_lens, kv_indices, kv_indptr, positions)]
     cache_locs.generate_draft_decode_kv_indices[(num_steps, bs, topk)](
-        req_pool_indices, req_to_token, seq_lens, kv_indices, kv_indptr, positions, pool_len, width,
+        *on, pool_len, width,
         bs * topk + 1, 4, 1 << (num_steps - 1).bit_length(), 1 << (bs * topk - 1).bit_length(), page_size)
+    kv_indices, kv_indptr = on[3].cpu(), on[4].cpu()
     for step in range(num_steps - 1):
         row_req, row_len, tree = draft_tree_rows(req_pool_indices, seq_lens, step, topk, num_steps, page_size)
         visible = (_module.tree_visible(tree[0], tree[1], torch.arange(pool_len), tree[2])
