@@ -14,12 +14,13 @@ context parallelism, cp_prefill.md); parallel.kda_cp is its PyTorch reference.
   chain: the back chunk of rank 0), TF32x3 in fp32.
 - all-gather: 2 summaries per rank, 2 x H x K x (V + K) x 4 bytes, at an NVLink bandwidth
   given on the command line (this host has one GPU; nothing is sent).
-- served_*: what the served CP path (parallel.kda_cp through layers.kda_backend) runs per
-  chunk today, fp32 activations as it hands them over: `served_chunk_ms` one chunk's outputs
-  and final state from its true initial state (SGLang's chunk_kda, the bf16 serving path),
-  `served_summary_ms` one chunk's summary from one chunk_kda run on [v | 0] from [0 | I]
-  (kda_summary.summary_by_recurrence), `served_fused_summary_ms` the same on the fused
-  recurrent kernel (the fp32 serving path).
+- served_*: what the served CP path (parallel.kda_cp through layers.kda_backend.cp_kernels)
+  runs per chunk, from the fp32 activations it holds: `served_chunk_ms` one chunk's outputs
+  and final state from its true initial state (SGLang's chunk_kda on bf16 inputs, the bf16
+  serving path), `served_summary_ms` one chunk's summary (fla's chunk_kda_fwd_intra +
+  chunk_cp_fwd_h, kda_backend.chunked_summary), `served_fused_summary_ms` the summary of the
+  fp32 serving path (one fused-recurrence run on [v | 0] from [0 | I],
+  kda_summary.summary_by_recurrence).
 
 Model per KDA layer: t_cp(W) = local(W) + 2 summary(W) + fold(W) + all_gather(W), speedup
 = plain / t_cp. For the whole model's TTFT the other layers' prefill (sparse MLA, MoE,
@@ -141,15 +142,14 @@ def measure(T: int, ranks: list[int]) -> dict:
 
 def served(T: int, L: int) -> dict:
     """One chunk of L tokens through the served path's per-chunk kernels (see the docstring)."""
-    from sglang_hybrid.layers.kda_backend import chunked_recurrence, fused_recurrence
+    from sglang_hybrid.layers.kda_backend import chunked_recurrence, chunked_summary, fused_recurrence
     from sglang_hybrid.parallel.kda_summary import summary_by_recurrence
 
     q, k, v, gate, beta = (t[0, :L].float() for t in inputs(T))
     q = q * K ** -0.5
     state = torch.zeros(H, K, V, device="cuda")
     return {"served_chunk_ms": do_bench(lambda: chunked_recurrence(q, k, v, gate, beta, state), return_mode="median"),
-            "served_summary_ms": do_bench(lambda: summary_by_recurrence(chunked_recurrence, k, v, gate, beta),
-                                          return_mode="median"),
+            "served_summary_ms": do_bench(lambda: chunked_summary(k, v, gate, beta), return_mode="median"),
             "served_fused_summary_ms": do_bench(lambda: summary_by_recurrence(fused_recurrence, k, v, gate, beta),
                                                 rep=20, warmup=1, return_mode="median")}
 

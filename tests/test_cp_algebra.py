@@ -109,33 +109,35 @@ def _relative_error(got, want):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kernel, bound", [("fused_recurrence", 1e-5), ("chunked_recurrence", 1e-2)])
+@pytest.mark.parametrize("dtype, bound", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
 @pytest.mark.parametrize("T", [45, 200])
-def test_gpu_recurrence_equals_the_reference(kernel, bound, T):
-    """The GPU's per-chunk recurrence under CP, behind the reference's contract: fla's fused
-    kernel (fp32 serving; exact) and its chunked kernel (bf16 serving; chunk_kda rounds
-    intra-chunk products, ~2e-3): outputs, final state and the summary (M, E) it gives,
-    fp32 inputs on CUDA. A chunk shorter than and spanning several of the kernel's 64-token
-    chunks; 64-wide heads, as the presets have."""
+def test_gpu_recurrence_equals_the_reference(dtype, bound, T):
+    """The GPU's per-chunk kernels under CP (kda_backend.cp_kernels), behind the reference's
+    contract: serving fp32, fla's fused recurrence (exact) and a summary from one run of it;
+    serving bf16, SGLang's chunk_kda on bf16 inputs (it rounds intra-chunk products, ~2e-3)
+    and fla's CP summary kernel over the chunk's WY factors. Outputs, final state and the
+    summary (M, E), against the fp32 reference. A chunk shorter than and spanning several of
+    the kernels' 64-token chunks; 64-wide heads, as the presets have."""
     from sglang_hybrid.layers import kda_backend
 
-    recurrence = getattr(kda_backend, kernel)
+    recurrence, summary = kda_backend.cp_kernels(torch.empty(0, device="cuda", dtype=dtype))
     q, k, v, decay, beta = (t.cuda() for t in _kda_inputs(T, H=4, K=64, V=64))
     decay = decay * 0.1  # gates that keep M well above rounding over 200 tokens
     state = torch.randn(4, 64, 64, generator=torch.Generator().manual_seed(3)).cuda()
     pairs = [*zip(recurrence(q, k, v, decay, beta, state), kda_recurrence(q, k, v, decay, beta, state)),
-             *zip(summary_by_recurrence(recurrence, k, v, decay, beta), chunk_summary(k, v, decay, beta))]
-    errors = [_relative_error(got, want) for got, want in pairs]
+             *zip(summary(k, v, decay, beta), chunk_summary(k, v, decay, beta))]
+    errors = [_relative_error(got.float(), want) for got, want in pairs]
     assert max(errors) < bound, f"relative errors (o, final, M, E): {errors}"
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kernel, bound", [("fused_recurrence", 1e-5), ("chunked_recurrence", 1e-2)])
-def test_kda_cp_with_gpu_kernels_equals_the_reference(kernel, bound, tmp_path):
-    """parallel.kda_cp as the served CP path runs it on a GPU, on a one-rank NCCL group (each
-    request in two zigzag chunks: summaries, fold, outputs from the folded state, a snapshot
-    inside a chunk), against the reference recurrence over each whole request: ragged
-    requests of 1, 45 and 200 tokens, the last on a cached state."""
+@pytest.mark.parametrize("dtype, bound", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
+def test_kda_cp_with_gpu_kernels_equals_the_reference(dtype, bound, tmp_path):
+    """parallel.kda_cp as the served CP path runs it on a GPU (cp_kernels at the serving
+    dtype), on a one-rank NCCL group (each request in two zigzag chunks: summaries, fold,
+    outputs from the folded state, a snapshot inside a chunk), against the reference
+    recurrence over each whole request: ragged requests of 1, 45 and 200 tokens, the last on
+    a cached state."""
     import torch.distributed as dist
 
     from sglang_hybrid.layers import kda_backend
@@ -152,7 +154,7 @@ def test_kda_cp_with_gpu_kernels_equals_the_reference(kernel, bound, tmp_path):
     dist.init_process_group("nccl", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
     try:
         got = kda_cp(*(t[rows].cuda() for t in (q, k, v, decay, beta)), initial.cuda(), lengths, None, cuts,
-                     getattr(kda_backend, kernel))
+                     *kda_backend.cp_kernels(torch.empty(0, device="cuda", dtype=dtype)))
     finally:
         dist.destroy_process_group()
     errors = [_relative_error(g.cpu(), w) for g, w in zip(got, (want[0][rows], *want[1:]))]

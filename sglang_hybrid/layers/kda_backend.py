@@ -8,6 +8,8 @@ TorchKDAAttnBackend reads and writes the same pool with the golden model's ops.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from sglang.srt.layers.attention.hybrid_linear_attn_backend import MambaAttnBackendBase
@@ -15,6 +17,7 @@ from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 
 from sglang_hybrid.layers.draft_tree import draft_tree_parents
 from sglang_hybrid.parallel.kda_cp import conv_cp, kda_cp
+from sglang_hybrid.parallel.kda_summary import summary_by_recurrence
 from sglang_hybrid.reference import ops
 
 
@@ -139,27 +142,64 @@ def fused_recurrence(q, k, v, g, beta, state):
     return o[0], final[0].transpose(-1, -2)
 
 
-def chunked_recurrence(q, k, v, g, beta, state):
+def chunked_recurrence(q, k, v, g, beta, state, dtype=torch.bfloat16):
     """The same contract on SGLang's chunked KDA kernel (chunk_kda), what bf16 serving
     prefills with: several times faster than the fused recurrence over long chunks, not
-    fp32-exact (see _recurrent_fp32_extend_kernel)."""
+    fp32-exact (see _recurrent_fp32_extend_kernel). q, k, v and beta go in at the serving
+    dtype, as SGLang's own prefill hands them over (fp32 inputs run the kernel ~3x slower,
+    cp_prefill.md); the gate and the state stay fp32."""
     from sglang.kernels.ops.attention.fla.kda import chunk_kda
 
     T = q.shape[0]
     if T == 0:
         return v.new_zeros(v.shape), state
     pool = state.float().transpose(-1, -2)[None].contiguous()  # one slot [1, H, V, K]; the kernel ends it in place
-    o = chunk_kda(q=q[None].contiguous(), k=k[None].contiguous(), v=v[None].clone(), g=g[None].contiguous(),
-                  beta=beta[None].contiguous(), scale=1.0, initial_state=pool,
+    o = chunk_kda(q=q[None].to(dtype).contiguous(), k=k[None].to(dtype).contiguous(),
+                  v=v[None].to(dtype, copy=True), g=g[None].float().contiguous(),
+                  beta=beta[None].to(dtype).contiguous(), scale=1.0, initial_state=pool,
                   initial_state_indices=torch.zeros(1, dtype=torch.int32, device=q.device),
                   cu_seqlens=torch.tensor([0, T], dtype=torch.int32, device=q.device))
     return o[0], pool[0].transpose(-1, -2)  # v's copy holds the outputs (chunk_kda writes o over v)
 
 
-def _cp_recurrence(x: torch.Tensor):
+def chunked_summary(k, v, g, beta, dtype=torch.bfloat16):
+    """kda_summary.chunk_summary's (M, E) for chunked_recurrence's chunks, the way fla's own
+    context parallelism summarizes a rank's sequence: the chunk's WY factors (the intra-chunk
+    half of a chunk_kda prefill) carried through chunk_cp_fwd_h, which writes [E | M]
+    ([H, K, V + K], fp32). Where summary_by_recurrence runs the whole chunk again over V + K
+    value columns, this costs about one chunk's intra work plus a K x (V + K) state pass."""
+    from fla.ops.cp.chunk_fwd import chunk_cp_fwd_h
+    from fla.ops.kda.chunk_intra import chunk_kda_fwd_intra
+    from fla.ops.utils import chunk_local_cumsum
+    from fla.ops.utils.constant import RCP_LN2
+    from fla.ops.utils.index import prepare_chunk_indices
+
+    T, H, K = k.shape
+    V = v.shape[-1]
+    if T == 0:
+        return torch.eye(K, device=k.device).expand(H, K, K).clone(), k.new_zeros(H, K, V, dtype=torch.float32)
+    cu = torch.tensor([0, T], device=k.device, dtype=torch.long)
+    indices = prepare_chunk_indices(cu, 64)
+    gk = chunk_local_cumsum(g=g[None].float().contiguous(), scale=RCP_LN2, chunk_size=64, cu_seqlens=cu,
+                            chunk_indices=indices)  # fla's kernels take log2 decays, cumulated per 64 tokens
+    keys = k[None].to(dtype).contiguous()
+    w, u, _, kg, _, _ = chunk_kda_fwd_intra(q=keys, k=keys, v=v[None].to(dtype).contiguous(), gk=gk,
+                                            beta=beta[None].to(dtype).contiguous(), scale=1.0, cu_seqlens=cu,
+                                            chunk_size=64, chunk_indices=indices)
+    hm = torch.zeros(H, K, V + K, device=k.device, dtype=torch.float32)
+    chunk_cp_fwd_h(k=kg, w=w, u=u, hm=hm, gk=gk, cu_seqlens=cu, chunk_size=64)
+    return hm[..., V:], hm[..., :V]
+
+
+def cp_kernels(x: torch.Tensor):
+    """(recurrence, summary) for each chunk of a CP extend (parallel.kda_cp): the reference on
+    CPU; on a GPU, fla's fused recurrence when serving fp32 (the exact mode) and the chunked
+    kernels at the serving dtype otherwise, as without CP."""
     if not x.is_cuda:
-        return ops.kda_recurrence
-    return fused_recurrence if x.dtype == torch.float32 else chunked_recurrence
+        return ops.kda_recurrence, functools.partial(summary_by_recurrence, ops.kda_recurrence)
+    if x.dtype == torch.float32:
+        return fused_recurrence, functools.partial(summary_by_recurrence, fused_recurrence)
+    return functools.partial(chunked_recurrence, dtype=x.dtype), functools.partial(chunked_summary, dtype=x.dtype)
 
 
 def extend_context_parallel(backend: MambaAttnBackendBase, layer, forward_batch: ForwardBatch, cp, mixed_qkv, a, b):
@@ -168,7 +208,8 @@ def extend_context_parallel(backend: MambaAttnBackendBase, layer, forward_batch:
     folded in fp32), each request's final conv window and state, and the radix cache's
     snapshots inside the extend, written to every rank's own pool. Each chunk's recurrence
     (outputs and summary) is, on a GPU, fla's fused recurrent kernel when serving fp32 (the
-    exact mode) and its chunked kernel otherwise, as without CP; the reference on CPU."""
+    exact mode) and its chunked kernels otherwise, as without CP; the reference on CPU
+    (cp_kernels)."""
     from sglang.srt.runtime_context import get_server_args
 
     meta = backend.forward_metadata
@@ -188,8 +229,7 @@ def extend_context_parallel(backend: MambaAttnBackendBase, layer, forward_batch:
     q, k, v = qkv.reshape(-1, 3, H, K).unbind(1)
     g = ops.kda_gate(a[0].float(), layer.A_log, layer.dt_bias)
     o, final_states, snap_states = kda_cp(ops.l2norm(q) * K**-0.5, ops.l2norm(k), v, g, b[0].float(), initial,
-                                          cp.lengths, cp.group, cuts,
-                                          _cp_recurrence(mixed_qkv))
+                                          cp.lengths, cp.group, cuts, *cp_kernels(mixed_qkv))
     pairs = [(s, w, st) for s, w, st in zip(slots, final_windows, final_states) if s >= 0]
     pairs += [(snapshots[i][1], w, st) for i, w, st in zip(sorted(cuts), snap_windows, snap_states)]
     for slot, window, state in pairs:

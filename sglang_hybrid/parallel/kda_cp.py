@@ -17,6 +17,8 @@ of B x 2 x (width-1) x D conv tails per rank, independent of the chunk length.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.distributed as dist
 
@@ -103,17 +105,18 @@ def conv_cp(x: torch.Tensor, windows: torch.Tensor, weight: torch.Tensor, length
 
 
 def kda_cp(q, k, v, g, beta, initial: torch.Tensor, lengths: list[int], group=None, cuts: dict[int, int] | None = None,
-           recurrence=kda_recurrence):
+           recurrence=kda_recurrence, summary=None):
     """The gated delta rule over this rank's rows (q, k: [T_local, H, K]; v: [T_local, H, V];
     g: [T_local, H, K]; beta: [T_local, H]) of a zigzag-partitioned batch. initial: [B, H, K, V]
     each request's state before its new tokens; cuts: {request: c} for states wanted after c
     of its new tokens. Returns (o [T_local, H, V], final states [B, H, K, V], states at the
     cuts [len(cuts), H, K, V] in request order), states in fp32. recurrence: the kernel run
-    per chunk, for outputs and summaries (kda_summary.summary_by_recurrence); the reference
-    by default."""
+    per chunk for its outputs, the reference by default; summary: (k, v, g, beta) -> a chunk's
+    (M, E), by default one run of the recurrence (kda_summary.summary_by_recurrence)."""
+    summary = summary or functools.partial(summary_by_recurrence, recurrence)
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     mine = local_chunks(lengths, world, rank)
-    summaries = torch.stack([torch.stack([torch.cat(summary_by_recurrence(recurrence, k[s], v[s], g[s], beta[s]), dim=-1)
+    summaries = torch.stack([torch.stack([torch.cat(summary(k[s], v[s], g[s], beta[s]), dim=-1)
                                           for s in pair]) for pair in mine]) if mine else \
         q.new_zeros(0, 2, q.shape[1], k.shape[2], k.shape[2] + v.shape[2])
     gathered = _all_gather(summaries, group)  # [W] x [B, 2, H, K, K + V]
