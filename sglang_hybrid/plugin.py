@@ -9,8 +9,8 @@ places SGLang hard-codes per architecture:
 - ServerArgs._handle_model_specific_adjustments: default the attention backend
   to ours (`--attention-backend hybrid_linear_sparse_flashmla` picks sgl-kernel's
   FlashMLA for the sparse attention instead of our Triton kernel), keep the
-  prefill CUDA graph off (the sparse layer is eager), and refuse prefill context
-  parallelism until it is wired.
+  prefill CUDA graph off (the sparse layer is eager), and refuse the prefill
+  context-parallel settings it does not serve (_context_parallel_checks).
 - KVCacheConfigurator._build_hybrid_linear_kv_pool: MLA pool + index-K cache.
 - DefaultPoolConfigurator._compute_cell_size: count index-K bytes per token.
 - utils.common.support_triton: no Triton bookkeeping kernels without a GPU.
