@@ -170,6 +170,9 @@ def model(case: dict, nvlink_gbps: float, other_ms_per_token: float) -> dict:
                     "sparse_history_allgather_ms": history,
                     "ttft_ms": KDA_LAYERS * layer + SPARSE_LAYERS * history + other_ms_per_token * T / W}
         out[key]["ttft_speedup"] = out["W=1"]["ttft_ms"] / out[key]["ttft_ms"]
+        # The same layer as served today: two chunks and two summaries by the served kernels.
+        served = 2 * (r["served_chunk_ms"] + r["served_summary_ms"]) + r["fold_ms"] + gather
+        out[key].update(served_kda_layer_ms=served, served_kda_layer_speedup=plain / served)
     return out
 
 
