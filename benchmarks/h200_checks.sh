@@ -136,10 +136,11 @@ part() {
     # The indexer alone where it is slowest, and prefill's first shape.
     timing-key) timing timing-key 280 --indexer-only --case decode:32x131072 --case decode:64x131072 \
                   --case decode:64x32768 --case decode:8x131072 --case prefill:8192 ;;
-    # Issue 4: the KDA layer's CP costs (summary, fold, local prefill) against its plain prefill; needs
-    # fla-core in the bundle (benchmarks/cp_prefill_cost.py says how).
+    # Issue 4: the KDA layer's CP costs (summary, fold, local prefill, the served kernels) against its
+    # plain prefill; needs fla-core in the bundle (benchmarks/cp_prefill_cost.py says how). Alone in a
+    # call: fla's kernels compile and autotune for ~200 s before the first case (runs 44, 45).
     cp-cost) mkdir -p "$OUT/cp-cost"
-             timeout 420 python3 benchmarks/cp_prefill_cost.py --out "$OUT/cp-cost/cp_prefill_cost.json" \
+             timeout 540 python3 benchmarks/cp_prefill_cost.py --out "$OUT/cp-cost/cp_prefill_cost.json" \
                > "$OUT/cp-cost/log.txt" 2>&1
              echo "cp-cost: rc=$?"; tail -4 "$OUT/cp-cost/log.txt" | cut -c1-400 ;;
     # Issue 4/7: each CP rank's sparse-layer time (indexer + sparse MLA over its rows), zigzag vs contiguous.
