@@ -50,7 +50,9 @@ part() {
     # Tree drafts (--speculative-eagle-topk 2 and 3) against the golden model, CUDA graphs on.
     spec-tree) run spec-tree 420 tests/test_speculative.py -k "tree and not 16" --preset tiny ;;
     spec-tree-paged) run spec-tree-paged 200 tests/test_speculative.py -k "tree and 16" --preset tiny ;;
+    # Each case starts two servers (~210 s): in one call both cases do not fit; [0.0] passed in runs 46-47.
     spec-standalone) run spec-standalone 520 tests/test_speculative.py -k standalone --preset tiny ;;
+    spec-standalone-0.3) run spec-standalone-0.3 400 tests/test_speculative.py -k "standalone and 0.3" --preset tiny ;;
     spec-tree-topk3) run spec-tree-topk3 180 tests/test_speculative.py -k "tree and 3-8" --preset tiny ;;
     # Rollback bit for bit (SGLang's gather-scatter), and decode snapshots under speculation.
     spec-snap) run spec-snap 220 tests/test_kda_rollback.py tests/test_speculative.py -k "rollback or snapshots" --preset tiny ;;
