@@ -238,9 +238,14 @@ def _server_defaults(result, server_args, *args, **kwargs):
         cpu_support.bind_tensor_parallel_ranks(server_args.tp_size)  # before the TP ranks start
     if (server_args.speculative_algorithm or "").upper() == "STANDALONE":
         _standalone_draft(server_args)
-    # The sparse layer's indexer is eager Python for now; decode graphs are captured.
-    if (Phase.PREFILL, "backend") not in server_args._cuda_graph_config_locked:
-        server_args.cuda_graph_config.prefill.backend = Backend.DISABLED
+    # The sparse layer's indexer is eager Python with no CUDA-graph break yet (prefix_reuse.md);
+    # decode graphs are captured.
+    prefill_graph = server_args.cuda_graph_config.prefill.backend
+    if (Phase.PREFILL, "backend") in server_args._cuda_graph_config_locked and prefill_graph != Backend.DISABLED:
+        raise ValueError(f"{ARCHITECTURE} runs prefill without a CUDA graph (its sparse layer cannot be captured "
+                         f"yet); got prefill CUDA graph backend {prefill_graph!r}: leave it unset or 'disabled' "
+                         f"(decode CUDA graphs are captured as usual)")
+    server_args.cuda_graph_config.prefill.backend = Backend.DISABLED
 
 
 def _context_parallel_checks(server_args) -> None:

@@ -226,6 +226,7 @@ def logprob_errors(server, golden) -> dict[str, float]:
     (["--attention-backend", "triton"],
      "runs only on --attention-backend hybrid_linear_sparse or hybrid_linear_sparse_flashmla"),
     (["--attention-backend", "hybrid_linear_sparse_flashmla"], "FlashMLA sparse attention needs a Hopper or newer GPU"),
+    (["--cuda-graph-backend-prefill", "breakable"], "runs prefill without a CUDA graph"),
     (["--tp-size", "2", "--attn-cp-size", "2", "--enable-prefill-cp", "--cp-strategy", "interleave"],
      "context-parallel prefill with --cp-strategy zigzag only"),
     (["--tp-size", "2", "--attn-cp-size", "2", "--enable-prefill-cp", "--cp-strategy", "zigzag", "--moe-dp-size", "2"],
