@@ -39,11 +39,11 @@ part() {
     small) part small-e2e; part small-bf16 ;;
     tiny-kernels) run tiny-kernels 280 tests/test_indexer_topk.py tests/test_sparse_mla_kernel.py tests/test_mxfp8.py tests/test_fp8_kv.py tests/test_gpu.py -k "not bf16_statistically and not bench_preset" ;;
     indexer-kernels) run indexer-kernels 200 tests/test_indexer_topk.py ;;
-    tiny-e2e) run tiny-e2e 300 tests/test_engine.py tests/test_server.py --preset tiny ;;
+    tiny-e2e) run tiny-e2e 420 tests/test_engine.py tests/test_server.py --preset tiny ;;
     tiny-bf16) run tiny-bf16 260 tests/test_gpu.py::test_bf16_statistically_tracks_golden --preset tiny ;;
-    small-e2e) run small-e2e 300 tests/test_engine.py tests/test_server.py --preset small ;;
+    small-e2e) run small-e2e 420 tests/test_engine.py tests/test_server.py --preset small ;;
     # Issue 5: prefix reuse against the golden model (fp32), and the fp32 KDA path's snapshots.
-    radix-tiny) run radix-tiny 280 tests/test_radix_snapshots.py --preset tiny ;;
+    radix-tiny) run radix-tiny 420 tests/test_radix_snapshots.py --preset tiny ;;
     # Issue 6: speculative decoding (draft head, chain drafts, CUDA graphs) against the golden model.
     spec-tiny) run spec-tiny 300 tests/test_speculative.py -k "mixed or perfect" --preset tiny ;;
     spec-tiny-rest) run spec-tiny-rest 280 tests/test_speculative.py -k "random or low_acceptance" --preset tiny ;;
@@ -115,12 +115,16 @@ part() {
                   echo "prefix-reuse: rc=$?"; tail -16 "$OUT/prefix-reuse/log.txt" | cut -c1-300 ;;
     # The same on the 48B-A3B-class bench config (dummy weights; the whole GPU), then one floor and
     # one warm request profiled (where the per-request floor goes).
+    # TTFT with SGLang's breakable prefill CUDA graph (the default), then eager prefill as the baseline.
     prefix-reuse-bench) mkdir -p "$OUT/prefix-reuse-bench"
                   python3 -m sglang_hybrid.cli make-checkpoint --preset bench --out /tmp/ckpt-bench > /dev/null
-                  timeout 380 python3 benchmarks/prefix_reuse.py --model-path /tmp/ckpt-bench --rounds 3 --profile \
-                    --out "$OUT/prefix-reuse-bench/prefix_reuse.json" --load-format dummy --context-length 40000 \
-                    --mem-fraction-static 0.9 > "$OUT/prefix-reuse-bench/log.txt" 2>&1
-                  echo "prefix-reuse-bench: rc=$?"; tail -16 "$OUT/prefix-reuse-bench/log.txt" | cut -c1-300 ;;
+                  for graph in breakable disabled; do
+                    timeout 270 python3 benchmarks/prefix_reuse.py --model-path /tmp/ckpt-bench --rounds 3 \
+                      $([ $graph = breakable ] && echo --profile) --cuda-graph-backend-prefill $graph \
+                      --out "$OUT/prefix-reuse-bench/prefix_reuse_$graph.json" --load-format dummy \
+                      --context-length 40000 --mem-fraction-static 0.85 > "$OUT/prefix-reuse-bench/log_$graph.txt" 2>&1
+                    echo "prefix-reuse-bench $graph: rc=$?"; tail -6 "$OUT/prefix-reuse-bench/log_$graph.txt" | cut -c1-300
+                  done ;;
     # Multi-turn chat with shared system prompts (SGLang's bench_serving), radix cache on vs off, small bf16.
     multi-turn) mkdir -p "$OUT/multi-turn"
                 python3 -m sglang_hybrid.cli make-checkpoint --preset small --out /tmp/ckpt-small-mt > /dev/null

@@ -86,6 +86,12 @@ def allocation_bytes(log: str) -> dict:
     return out
 
 
+def prefill_graph_use(log: str) -> dict:
+    """How many prefill batches replayed SGLang's prefill CUDA graph (its log line says so)."""
+    lines = [line for line in log.splitlines() if "Prefill batch" in line]
+    return {"prefill_batches": len(lines), "prefill_batches_in_cuda_graph": sum("cuda graph: True" in line for line in lines)}
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--model-path", required=True)
@@ -133,7 +139,8 @@ def main():
     result = {"prefix": args.prefix, "suffix": args.suffix, "server_args": server_args, "rounds": rounds,
               "cold_ttft_s": cold, "warm_ttft_s": warm, "floor_ttft_s": floor, "warm_over_cold": warm / cold,
               "floor_over_cold": floor / cold, **({"profiles": profiles} if profiles else {}),
-              **allocation_bytes(open(log_path, errors="replace").read())}
+              **allocation_bytes(open(log_path, errors="replace").read()),
+              **prefill_graph_use(open(log_path, errors="replace").read())}
     if "state_snapshot_bytes" in result and "kv_bytes_per_token" in result:
         result["snapshot_in_tokens_of_kv"] = result["state_snapshot_bytes"] / result["kv_bytes_per_token"]
     print(json.dumps({k: v for k, v in result.items() if k not in ("rounds", "profiles")}, indent=1))

@@ -8,9 +8,11 @@ places SGLang hard-codes per architecture:
 - ModelConfig._derive_model_shapes: treat the architecture as MLA (latent KV).
 - ServerArgs._handle_model_specific_adjustments: default the attention backend
   to ours (`--attention-backend hybrid_linear_sparse_flashmla` picks sgl-kernel's
-  FlashMLA for the sparse attention instead of our Triton kernel), keep the
-  prefill CUDA graph off (the sparse layer is eager), and refuse the prefill
+  FlashMLA for the sparse attention instead of our Triton kernel), keep prefill
+  to SGLang's breakable CUDA graph or none (_prefill_graph), and refuse the prefill
   context-parallel settings it does not serve (_context_parallel_checks).
+- ServerArgs._disable_breakable_cudagraph_if_incompatible: SGLang's rule that keeps
+  non-DSA MLA models out of the breakable prefill graph does not apply to ours.
 - KVCacheConfigurator._build_hybrid_linear_kv_pool: MLA pool + index-K cache.
 - DefaultPoolConfigurator._compute_cell_size: count index-K bytes per token.
 - utils.common.support_triton: no Triton bookkeeping kernels without a GPU.
@@ -91,6 +93,8 @@ def register() -> None:
         "sglang.srt.configs.model_config.ModelConfig._derive_model_shapes": (_derive_mla_shapes, HookType.AFTER),
         "sglang.srt.configs.model_config.ModelConfig._config_draft_model": (_draft_architecture, HookType.AFTER),
         "sglang.srt.server_args.ServerArgs._handle_model_specific_adjustments": (_server_defaults, HookType.AFTER),
+        "sglang.srt.server_args.ServerArgs._disable_breakable_cudagraph_if_incompatible": (
+            _breakable_prefill_rules, HookType.AROUND),
         "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator._build_hybrid_linear_kv_pool": (
             _build_kv_pool, HookType.AROUND),
         "sglang.srt.model_executor.pool_configurator.DefaultPoolConfigurator._compute_cell_size": (
@@ -217,8 +221,6 @@ def _derive_mla_shapes(result, model_config, *args, **kwargs):
 
 
 def _server_defaults(result, server_args, *args, **kwargs):
-    from sglang.srt.model_executor.cuda_graph_config import Backend, Phase
-
     if not _is_ours(server_args.get_model_config().hf_config):
         return
     ours = (ATTENTION_BACKEND, FLASHMLA_ATTENTION_BACKEND)
@@ -238,14 +240,45 @@ def _server_defaults(result, server_args, *args, **kwargs):
         cpu_support.bind_tensor_parallel_ranks(server_args.tp_size)  # before the TP ranks start
     if (server_args.speculative_algorithm or "").upper() == "STANDALONE":
         _standalone_draft(server_args)
-    # The sparse layer's indexer is eager Python with no CUDA-graph break yet (prefix_reuse.md);
-    # decode graphs are captured.
-    prefill_graph = server_args.cuda_graph_config.prefill.backend
-    if (Phase.PREFILL, "backend") in server_args._cuda_graph_config_locked and prefill_graph != Backend.DISABLED:
-        raise ValueError(f"{ARCHITECTURE} runs prefill without a CUDA graph (its sparse layer cannot be captured "
-                         f"yet); got prefill CUDA graph backend {prefill_graph!r}: leave it unset or 'disabled' "
-                         f"(decode CUDA graphs are captured as usual)")
-    server_args.cuda_graph_config.prefill.backend = Backend.DISABLED
+    _prefill_graph(server_args)
+
+
+def _prefill_graph(server_args) -> None:
+    """Prefill runs in SGLang's breakable CUDA graph (its CUDA default), whose eager breaks are
+    the KDA layers' and the sparse layers' backend calls (layers.sparse_mla), or eagerly. The
+    other prefill graphs would capture the indexer's host-sized extend launches; under
+    speculative decoding SGLang's prefill graph drops the radix cache's snapshot slots
+    (PrefillCudaGraphRunner._is_mamba_track_enabled), so snapshots would be filed unwritten."""
+    from sglang.srt.model_executor.cuda_graph_config import Backend, Phase
+
+    config = server_args.cuda_graph_config.prefill
+    why_not = None
+    if server_args.device != "cuda":
+        why_not = "it needs a GPU"
+    elif server_args.speculative_algorithm:
+        why_not = "under speculative decoding SGLang's prefill graph does not write the radix cache's snapshots"
+    elif config.backend not in (Backend.BREAKABLE, Backend.DISABLED):
+        why_not = "only the breakable prefill graph has eager breaks for the sparse layers"
+    if why_not is None:
+        return
+    if (Phase.PREFILL, "backend") in server_args._cuda_graph_config_locked and config.backend != Backend.DISABLED:
+        raise ValueError(f"{ARCHITECTURE} cannot run prefill in a {config.backend!r} CUDA graph here: {why_not}; "
+                         f"leave --cuda-graph-backend-prefill unset or pass 'disabled'")
+    config.backend = Backend.DISABLED
+
+
+def _breakable_prefill_rules(original, server_args, *args, **kwargs):
+    """SGLang turns its breakable prefill graph off for MLA models other than DSA: their prefill
+    takes an MHA path with no eager break. Ours is like DSA: every sparse layer takes the absorbed
+    sparse path, whose backend call is an eager break (layers.sparse_mla), so that rule does not
+    apply; SGLang's other rules (context parallelism and the rest) still do."""
+    if not _is_ours(server_args.get_model_config().hf_config):
+        return original(server_args, *args, **kwargs)
+    server_args.use_mla_backend = lambda: False  # shadows the method for this call only
+    try:
+        return original(server_args, *args, **kwargs)
+    finally:
+        del server_args.use_mla_backend
 
 
 def _context_parallel_checks(server_args) -> None:

@@ -135,6 +135,31 @@ def test_frontend_language_gen_select_fork(server, check, golden, tokenizer, tol
         check.greedy(tokenizer.encode(prefix), served_ids(fork, "hint"))
 
 
+def _prefill_graph_replays(log: str) -> int:
+    return sum("Prefill batch" in line and "cuda graph: True" in line for line in log.splitlines())
+
+
+@pytest.mark.gpu
+def test_prefill_replays_sglangs_breakable_cuda_graph(server, check):
+    """On a GPU, prefill runs in SGLang's breakable CUDA graph: the forward is captured per token
+    bucket and each KDA and sparse layer's backend call is an eager break on the live batch
+    (layers.prefill_graph). A ragged batch padded up to its bucket, and a second turn over the
+    first one's cached prefix, replay it and match the golden model."""
+    assert "Capture target prefill CUDA graph end" in server.read_log()
+    before = _prefill_graph_replays(server.read_log())
+    prompts = _prompts()[1:]  # one batch, in chunks of GPU_SERVER_ARGS' 128 tokens: each padded to its bucket
+    for ids, res in zip(prompts, _generate(server.url, prompts)):
+        check.greedy(ids, res["output_ids"])
+    ids = prompts[-1][:120]
+    first = _generate(server.url, ids)
+    turn2 = ids + first["output_ids"] + [11, 12, 13]
+    second = _generate(server.url, turn2)
+    assert second["meta_info"]["cached_tokens"] > 0
+    check.greedy(ids, first["output_ids"])
+    check.greedy(turn2, second["output_ids"])
+    assert _prefill_graph_replays(server.read_log()) >= before + 3
+
+
 def test_concurrent_requests_with_shared_prefix(server, check):
     rng = random.Random(1)
     shared = [rng.randrange(3, 2000) for _ in range(48)]
@@ -226,7 +251,7 @@ def logprob_errors(server, golden) -> dict[str, float]:
     (["--attention-backend", "triton"],
      "runs only on --attention-backend hybrid_linear_sparse or hybrid_linear_sparse_flashmla"),
     (["--attention-backend", "hybrid_linear_sparse_flashmla"], "FlashMLA sparse attention needs a Hopper or newer GPU"),
-    (["--cuda-graph-backend-prefill", "breakable"], "runs prefill without a CUDA graph"),
+    (["--cuda-graph-backend-prefill", "breakable"], "cannot run prefill in a 'breakable' CUDA graph here: it needs a GPU"),
     (["--tp-size", "2", "--attn-cp-size", "2", "--enable-prefill-cp", "--cp-strategy", "interleave"],
      "context-parallel prefill with --cp-strategy zigzag only"),
     (["--tp-size", "2", "--attn-cp-size", "2", "--enable-prefill-cp", "--cp-strategy", "zigzag", "--moe-dp-size", "2"],

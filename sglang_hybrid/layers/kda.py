@@ -4,8 +4,9 @@ Projections follow Kimi-Linear (q/k/v, f_a/f_b forget gate, b beta, g_a/g_b outp
 gate, A_log, dt_bias, depthwise short conv, o_norm, o_proj) and are TP-sharded by
 head. The token mixing itself (short conv + gated delta rule, with the state in
 SGLang's pool) is the attention backend's job: SGLang's KDA backend on GPU,
-sglang_hybrid.layers.kda_backend on CPU. The gate/beta convention is SGLang's:
-extend passes raw gates [1, T, H, K] and sigmoid(beta); decode passes both raw.
+sglang_hybrid.layers.kda_backend on CPU; in SGLang's breakable prefill CUDA graph it is
+an eager break (layers.prefill_graph). The gate/beta convention is SGLang's: extend
+passes raw gates [1, T, H, K] and sigmoid(beta); decode passes both raw.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from sglang.srt.runtime_context import get_parallel
 from sglang.srt.utils.common import set_weight_attrs
 
 from sglang_hybrid.configs.hybrid_linear_sparse import HybridLinearSparseConfig
+from sglang_hybrid.layers import prefill_graph
 from sglang_hybrid.layers.kda_backend import extend_context_parallel
 from sglang_hybrid.reference.ops import rms_norm
 
@@ -104,7 +106,17 @@ class KDAMixer(nn.Module):
         if cp is not None:
             out = extend_context_parallel(get_attn_backend().linear_attn_backend, self.attn, forward_batch, cp,
                                           mixed_qkv, forget, beta.unsqueeze(0))
+        elif prefill_graph.in_prefill_graph():
+            out = mixed_qkv.new_empty(hidden_states.shape[0], self.local_heads, self.head_dim)
+            prefill_graph.live_rows_break(kda_attention, out, self.attn.layer_id, mixed_qkv, forget[0], beta)
         else:
             out = self.attn(forward_batch, mixed_qkv=mixed_qkv, a=forget, b=beta.unsqueeze(0))
         out = self.o_norm(out, gate.unflatten(-1, (-1, self.head_dim)))
         return self.o_proj(out.reshape(hidden_states.shape[0], -1))[0]
+
+
+def kda_attention(layer: RadixLinearAttention, forward_batch: ForwardBatch, mixed_qkv: torch.Tensor,
+                  forget: torch.Tensor, beta: torch.Tensor) -> torch.Tensor:
+    """An extend's conv and delta rule over the pool's states, gates [T, H, K] and beta [T, H]."""
+    return get_attn_backend().forward(layer=layer, forward_batch=forward_batch, mixed_qkv=mixed_qkv,
+                                      a=forget.unsqueeze(0), b=beta.unsqueeze(0))

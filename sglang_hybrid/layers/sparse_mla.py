@@ -9,6 +9,9 @@ index_rope_head_dim dims; the optional Hadamard rotation follows it. The rotatio
 is orthogonal and applied to both q and k, so exact scores would not change; it
 spreads outliers across each vector before the MXFP8 index cache rounds it.
 
+Under SGLang's breakable prefill CUDA graph the backend call is an eager break
+(layers.prefill_graph); the projections, norms and the indexer's inputs are captured.
+
 The indexer's inputs are prepared on three CUDA streams (index q projection, rotation
 and MXFP8 quantization on the current one; index k with its norm on a second; the
 head weights on a third), joined once before the backend runs the indexer. The side
@@ -31,6 +34,7 @@ from sglang.srt.runtime_context import get_parallel
 
 from sglang_hybrid.configs.hybrid_linear_sparse import HybridLinearSparseConfig
 from sglang_hybrid.kernels import mxfp8
+from sglang_hybrid.layers import prefill_graph
 from sglang_hybrid.layers.rms_norm import RMSNorm
 from sglang_hybrid.reference.ops import hadamard_matrix
 
@@ -167,10 +171,20 @@ class SparseMLAMixer(nn.Module):
         kv = self.kv_a_proj_with_mqa(hidden_states)[0]
         latent = self.kv_a_layernorm(kv[:, : self.rank].contiguous())
         k = torch.cat([latent, kv[:, self.rank :]], dim=-1).unsqueeze(1)
-        index_q, index_q_scale, index_weights, index_k = self.indexer(hidden_states, q_latent, positions)
-        out = get_attn_backend().forward(
-            q_absorbed, k, latent.unsqueeze(1), self.attn, forward_batch, True,
-            index_q=index_q, index_q_scale=index_q_scale, index_k=index_k, index_weights=index_weights,
-        )
+        index = self.indexer(hidden_states, q_latent, positions)
+        if prefill_graph.in_prefill_graph():
+            out = q_absorbed.new_empty(T, H * self.rank)
+            prefill_graph.live_rows_break(sparse_attention, out, self.attn.layer_id, q_absorbed, k,
+                                          latent.unsqueeze(1), *index)
+        else:
+            out = sparse_attention(q_absorbed, k, latent.unsqueeze(1), self.attn, forward_batch, *index)
         out = torch.einsum("thr,hrv->thv", out.view(T, H, self.rank), self.w_vc)
         return self.o_proj(out.reshape(T, H * self.v_dim))[0]
+
+
+def sparse_attention(q, k, v, layer: RadixAttention, forward_batch: ForwardBatch, index_q, index_q_scale,
+                     index_weights, index_k) -> torch.Tensor:
+    """Store the new rows, select each row's Top-K, attend there (layers.sparse_mla_backend)."""
+    return get_attn_backend().forward(q, k, v, layer, forward_batch, True, index_q=index_q,
+                                      index_q_scale=index_q_scale, index_k=index_k, index_weights=index_weights)
+

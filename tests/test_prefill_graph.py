@@ -1,0 +1,51 @@
+"""The mixers' eager break in SGLang's breakable prefill CUDA graph (layers.prefill_graph), on CPU.
+
+SGLang's runner replays a prefill over a token bucket's padded tensors and puts the live
+batch in its forward context; the break must hand the backend the real rows only, with the
+batch's cache locations and positions cut to them (and restored after), and zero the
+padding of its output. Served on the GPU: test_server.py's breakable-graph test.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from sglang.srt.model_executor.runner_backend_utils.breakable_cuda_graph.context import enable_breakable_cuda_graph
+from sglang.srt.model_executor.runner_backend_utils.tc_piecewise_cuda_graph import set_tc_piecewise_forward_context
+
+from sglang_hybrid.layers import prefill_graph
+
+
+def _live_batch(real: int, bucket: int):
+    loc = torch.arange(100, 100 + bucket)
+    loc[real:] = 0  # SGLang's runner zeroes the padded tail of its static buffers
+    return SimpleNamespace(num_token_non_padded_cpu=real, out_cache_loc=loc, positions=torch.arange(bucket) % 7)
+
+
+@pytest.mark.parametrize("real, bucket", [(5, 8), (8, 8), (1, 4)])
+def test_break_runs_the_backend_on_the_live_rows_and_zeroes_the_padding(real, bucket):
+    batch, layers = _live_batch(real, bucket), ["layer 0", "layer 1"]
+    full_loc, full_pos = batch.out_cache_loc, batch.positions
+    seen = {}
+
+    def attend(layer, fb, x, gate, nothing):
+        seen.update(layer=layer, rows=x.shape[0], gate_rows=gate.shape[0], nothing=nothing,
+                    loc=fb.out_cache_loc.tolist(), pos=fb.positions.tolist(), cp=fb.hybrid_prefill_cp)
+        return (x[:, :2] * gate).unsqueeze(0)  # a [1, T, ...] result, as KDA's backend returns
+
+    x = torch.randn(bucket, 3)
+    gate = torch.randn(bucket, 1)
+    out = torch.full((bucket, 2), float("nan"))
+    assert not prefill_graph.in_prefill_graph()
+    with set_tc_piecewise_forward_context(batch, layers, None, [], []), enable_breakable_cuda_graph():
+        assert prefill_graph.in_prefill_graph()
+        prefill_graph.live_rows_break(attend, out, 1, x, gate, None)
+
+    assert seen == dict(layer="layer 1", rows=real, gate_rows=real, nothing=None, loc=full_loc[:real].tolist(),
+                        pos=full_pos[:real].tolist(), cp=None)
+    assert batch.out_cache_loc is full_loc and batch.positions is full_pos
+    torch.testing.assert_close(out[:real], x[:real, :2] * gate[:real])
+    assert (out[real:] == 0).all()
