@@ -16,7 +16,7 @@ import torch
 from sglang.srt.model_executor.runner_backend_utils.breakable_cuda_graph.context import enable_breakable_cuda_graph
 from sglang.srt.model_executor.runner_backend_utils.tc_piecewise_cuda_graph import set_tc_piecewise_forward_context
 
-from sglang_hybrid.layers import prefill_graph
+from sglang_hybrid.layers import kda, prefill_graph, sparse_mla
 
 
 def _live_batch(real: int, bucket: int):
@@ -49,3 +49,10 @@ def test_break_runs_the_backend_on_the_live_rows_and_zeroes_the_padding(real, bu
     assert batch.out_cache_loc is full_loc and batch.positions is full_pos
     torch.testing.assert_close(out[:real], x[:real, :2] * gate[:real])
     assert (out[real:] == 0).all()
+
+
+@pytest.mark.parametrize("attend", [sparse_mla.sparse_attention, kda.kda_attention])
+def test_the_mixers_backend_calls_take_the_layer_and_the_batch_first(attend):
+    import inspect
+
+    assert list(inspect.signature(attend).parameters)[:2] == ["layer", "forward_batch"]

@@ -29,7 +29,8 @@ def in_prefill_graph() -> bool:
 
 
 def _on_live_rows(attend: Callable, out: torch.Tensor, layer_id: int, *inputs: torch.Tensor | None) -> None:
-    """out[:n] = attend(layer, live batch, *inputs[:n]) for the live batch's n real tokens; the
+    """out[:n] = attend(layer, live batch, *inputs[:n]) for the live batch's n real tokens (the
+    mixers' sparse_attention and kda_attention take the layer and the batch first); the
     padded rows of `out` are zeroed, so that no garbage reaches the residual stream or MoE routing.
     The backend must not see the padding: it would store the padded rows' keys and states."""
     context = get_tc_piecewise_forward_context()

@@ -177,12 +177,12 @@ class SparseMLAMixer(nn.Module):
             prefill_graph.live_rows_break(sparse_attention, out, self.attn.layer_id, q_absorbed, k,
                                           latent.unsqueeze(1), *index)
         else:
-            out = sparse_attention(q_absorbed, k, latent.unsqueeze(1), self.attn, forward_batch, *index)
+            out = sparse_attention(self.attn, forward_batch, q_absorbed, k, latent.unsqueeze(1), *index)
         out = torch.einsum("thr,hrv->thv", out.view(T, H, self.rank), self.w_vc)
         return self.o_proj(out.reshape(T, H * self.v_dim))[0]
 
 
-def sparse_attention(q, k, v, layer: RadixAttention, forward_batch: ForwardBatch, index_q, index_q_scale,
+def sparse_attention(layer: RadixAttention, forward_batch: ForwardBatch, q, k, v, index_q, index_q_scale,
                      index_weights, index_k) -> torch.Tensor:
     """Store the new rows, select each row's Top-K, attend there (layers.sparse_mla_backend)."""
     return get_attn_backend().forward(q, k, v, layer, forward_batch, True, index_q=index_q,
