@@ -33,6 +33,20 @@ timing() {  # timing NAME SECONDS sparse_path_timing-args...
   tail -3 "$OUT/$name/log.txt" | cut -c1-300
 }
 
+prefix_reuse() {  # prefix_reuse GRAPH SECONDS [prefix_reuse.py-args...]
+  local graph=$1 seconds=$2 fit=()
+  shift 2
+  mkdir -p "$OUT/prefix-reuse-bench"
+  python3 -m sglang_hybrid.cli make-checkpoint --preset bench --out /tmp/ckpt-bench > /dev/null
+  # 256 experts take 94 GB: on an 80 GB card the bench model keeps 96 (same top-8 compute per token).
+  [ "$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)" -lt 100000 ] \
+    && fit=(--json-model-override-args '{"num_experts": 96}')
+  timeout "$seconds" python3 benchmarks/prefix_reuse.py --model-path /tmp/ckpt-bench --rounds 3 "${fit[@]}" "$@" \
+    --cuda-graph-backend-prefill "$graph" --out "$OUT/prefix-reuse-bench/prefix_reuse_$graph.json" \
+    --load-format dummy --context-length 40000 --mem-fraction-static 0.85 > "$OUT/prefix-reuse-bench/log_$graph.txt" 2>&1
+  echo "prefix-reuse $graph: rc=$?"; tail -8 "$OUT/prefix-reuse-bench/log_$graph.txt" | cut -c1-300
+}
+
 part() {
   case "$1" in
     tiny) part tiny-e2e; part tiny-bf16 ;;
@@ -115,19 +129,10 @@ part() {
                   echo "prefix-reuse: rc=$?"; tail -16 "$OUT/prefix-reuse/log.txt" | cut -c1-300 ;;
     # The same on the 48B-A3B-class bench config (dummy weights; the whole GPU), then one floor and
     # one warm request profiled (where the per-request floor goes).
-    # TTFT with SGLang's breakable prefill CUDA graph (the default), then eager prefill as the baseline.
-    prefix-reuse-bench) mkdir -p "$OUT/prefix-reuse-bench"
-                  python3 -m sglang_hybrid.cli make-checkpoint --preset bench --out /tmp/ckpt-bench > /dev/null
-                  # 256 experts take 94 GB: on an 80 GB card the bench model keeps 96 (same top-8 compute per token).
-                  fit=(); [ "$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)" -lt 100000 ] \
-                    && fit=(--json-model-override-args '{"num_experts": 96}')
-                  for graph in breakable disabled; do
-                    timeout 270 python3 benchmarks/prefix_reuse.py --model-path /tmp/ckpt-bench --rounds 3 "${fit[@]}" \
-                      $([ $graph = breakable ] && echo --profile) --cuda-graph-backend-prefill $graph \
-                      --out "$OUT/prefix-reuse-bench/prefix_reuse_$graph.json" --load-format dummy \
-                      --context-length 40000 --mem-fraction-static 0.85 > "$OUT/prefix-reuse-bench/log_$graph.txt" 2>&1
-                    echo "prefix-reuse-bench $graph: rc=$?"; tail -6 "$OUT/prefix-reuse-bench/log_$graph.txt" | cut -c1-300
-                  done ;;
+    # TTFT over a 32K cached prefix with SGLang's breakable prefill CUDA graph (the default; capturing
+    # its 42 buckets took 148 s on the bench model), and eagerly as the baseline: run both on one warm machine.
+    prefix-reuse-bench) prefix_reuse breakable 480 --profile ;;
+    prefix-reuse-eager) prefix_reuse disabled 250 ;;
     # Multi-turn chat with shared system prompts (SGLang's bench_serving), radix cache on vs off, small bf16.
     multi-turn) mkdir -p "$OUT/multi-turn"
                 python3 -m sglang_hybrid.cli make-checkpoint --preset small --out /tmp/ckpt-small-mt > /dev/null

@@ -38,21 +38,35 @@ import profile_trace  # noqa: E402
 
 
 def start_server(model_path: str, port: int, extra: list[str], log_path: str) -> subprocess.Popen:
+    """SGLang's server on `port`, ready. It runs in its own session, so it is stopped here if it
+    does not come up, and a SIGTERM to this script (`timeout`) stops it too (stop_server in the
+    caller's finally): a server left behind would answer the next script's requests."""
     from sglang_hybrid.cli import launch_server_argv  # SGLang's own launch_server (+ CPU defaults without a GPU)
 
+    url = f"http://127.0.0.1:{port}"
+    try:
+        requests.get(url + "/health", timeout=5)
+        raise RuntimeError(f"port {port} already serves something: stop it, or pass another --port")
+    except requests.ConnectionError:
+        pass
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     cmd = launch_server_argv(["--model-path", model_path, "--port", str(port), "--host", "127.0.0.1", *extra])
     proc = subprocess.Popen(cmd, stdout=open(log_path, "w"), stderr=subprocess.STDOUT, start_new_session=True)
-    deadline = time.time() + 600
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}; see {log_path}")
-        try:
-            if requests.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200:
-                return proc
-        except requests.RequestException:
-            pass
-        time.sleep(2)
-    raise TimeoutError(f"server not ready; see {log_path}")
+    try:
+        deadline = time.time() + 600
+        while time.time() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(f"server exited with {proc.returncode}; see {log_path}")
+            try:
+                if requests.get(url + "/health", timeout=5).status_code == 200:
+                    return proc
+            except requests.RequestException:
+                pass
+            time.sleep(2)
+        raise TimeoutError(f"server not ready; see {log_path}")
+    except BaseException:
+        stop_server(proc)
+        raise
 
 
 def stop_server(proc: subprocess.Popen) -> None:
