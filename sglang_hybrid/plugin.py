@@ -245,10 +245,12 @@ def _server_defaults(result, server_args, *args, **kwargs):
 
 def _prefill_graph(server_args) -> None:
     """Prefill runs in SGLang's breakable CUDA graph (its CUDA default), whose eager breaks are
-    the KDA layers' and the sparse layers' backend calls (layers.sparse_mla), or eagerly. The
+    the KDA and sparse layers' backend calls (layers.prefill_graph), or eagerly. The
     other prefill graphs would capture the indexer's host-sized extend launches; under
     speculative decoding SGLang's prefill graph drops the radix cache's snapshot slots
-    (PrefillCudaGraphRunner._is_mamba_track_enabled), so snapshots would be filed unwritten."""
+    (PrefillCudaGraphRunner._is_mamba_track_enabled), so snapshots would be filed unwritten;
+    a context-parallel prefill is split by host-side lengths (SGLang's own rules turn the graph
+    off for it too, unless the user asked for it)."""
     from sglang.srt.model_executor.cuda_graph_config import Backend, Phase
 
     config = server_args.cuda_graph_config.prefill
@@ -257,6 +259,8 @@ def _prefill_graph(server_args) -> None:
         why_not = "it needs a GPU"
     elif server_args.speculative_algorithm:
         why_not = "under speculative decoding SGLang's prefill graph does not write the radix cache's snapshots"
+    elif (server_args.attn_cp_size or 1) > 1 and server_args.enable_prefill_cp:
+        why_not = "context-parallel prefill splits each batch by its host-side lengths"
     elif config.backend not in (Backend.BREAKABLE, Backend.DISABLED):
         why_not = "only the breakable prefill graph has eager breaks for the sparse layers"
     if why_not is None:
@@ -270,7 +274,7 @@ def _prefill_graph(server_args) -> None:
 def _breakable_prefill_rules(original, server_args, *args, **kwargs):
     """SGLang turns its breakable prefill graph off for MLA models other than DSA: their prefill
     takes an MHA path with no eager break. Ours is like DSA: every sparse layer takes the absorbed
-    sparse path, whose backend call is an eager break (layers.sparse_mla), so that rule does not
+    sparse path, whose backend call is an eager break (layers.prefill_graph), so that rule does not
     apply; SGLang's other rules (context parallelism and the rest) still do."""
     if not _is_ours(server_args.get_model_config().hf_config):
         return original(server_args, *args, **kwargs)
