@@ -15,12 +15,12 @@ context parallelism, cp_prefill.md); parallel.kda_cp is its PyTorch reference.
 - all-gather: 2 summaries per rank, 2 x H x K x (V + K) x 4 bytes, at an NVLink bandwidth
   given on the command line (this host has one GPU; nothing is sent).
 - served_*: what the served CP path (parallel.kda_cp through layers.kda_backend.cp_kernels)
-  runs per chunk, from the fp32 activations it holds: `served_chunk_ms` one chunk's outputs
-  and final state from its true initial state (SGLang's chunk_kda on bf16 inputs, the bf16
-  serving path), `served_summary_ms` one chunk's summary (fla's chunk_kda_fwd_intra +
-  chunk_cp_fwd_h, kda_backend.chunked_summary), `served_fused_summary_ms` the summary of the
-  fp32 serving path (one fused-recurrence run on [v | 0] from [0 | I],
-  kda_summary.summary_by_recurrence).
+  runs for a rank's two chunks, each kernel one call over both, from the fp32 activations it
+  holds: `served_chunk_ms` their outputs and final states from their true initial states
+  (SGLang's chunk_kda on bf16 inputs, the bf16 serving path), `served_summary_ms` their
+  summaries (fla's chunk_kda_fwd_intra + chunk_cp_fwd_h, kda_backend.chunked_summary),
+  `served_fused_summary_ms` the summaries of the fp32 serving path (one fused-recurrence run
+  on [v | 0] from [0 | I], kda_summary.summary_by_recurrence).
 
 Model per KDA layer: t_cp(W) = local(W) + 2 summary(W) + fold(W) + all_gather(W), speedup
 = plain / t_cp. For the whole model's TTFT the other layers' prefill (sparse MLA, MoE,
@@ -145,12 +145,13 @@ def served(T: int, L: int) -> dict:
     from sglang_hybrid.layers.kda_backend import chunked_recurrence, chunked_summary, fused_recurrence
     from sglang_hybrid.parallel.kda_summary import summary_by_recurrence
 
-    q, k, v, gate, beta = (t[0, :L].float() for t in inputs(T))
+    q, k, v, gate, beta = (t[0, :2 * L].float() for t in inputs(T))
     q = q * K ** -0.5
-    state = torch.zeros(H, K, V, device="cuda")
-    return {"served_chunk_ms": do_bench(lambda: chunked_recurrence(q, k, v, gate, beta, state), return_mode="median"),
-            "served_summary_ms": do_bench(lambda: chunked_summary(k, v, gate, beta), return_mode="median"),
-            "served_fused_summary_ms": do_bench(lambda: summary_by_recurrence(fused_recurrence, k, v, gate, beta),
+    states, cu = torch.zeros(2, H, K, V, device="cuda"), [0, L, 2 * L]  # a rank's two chunks, one call
+    return {"served_chunk_ms": do_bench(lambda: chunked_recurrence(q, k, v, gate, beta, states, cu),
+                                        return_mode="median"),
+            "served_summary_ms": do_bench(lambda: chunked_summary(k, v, gate, beta, cu), return_mode="median"),
+            "served_fused_summary_ms": do_bench(lambda: summary_by_recurrence(fused_recurrence, k, v, gate, beta, cu),
                                                 rep=20, warmup=1, return_mode="median")}
 
 
@@ -170,8 +171,9 @@ def model(case: dict, nvlink_gbps: float, other_ms_per_token: float) -> dict:
                     "sparse_history_allgather_ms": history,
                     "ttft_ms": KDA_LAYERS * layer + SPARSE_LAYERS * history + other_ms_per_token * T / W}
         out[key]["ttft_speedup"] = out["W=1"]["ttft_ms"] / out[key]["ttft_ms"]
-        # The same layer as served today: two chunks and two summaries by the served kernels.
-        served = 2 * (r["served_chunk_ms"] + r["served_summary_ms"]) + r["fold_ms"] + gather
+        # The same layer as served today: one call of the served kernels for the rank's two chunks' outputs, one
+        # for their summaries.
+        served = r["served_chunk_ms"] + r["served_summary_ms"] + r["fold_ms"] + gather
         out[key].update(served_kda_layer_ms=served, served_kda_layer_speedup=plain / served)
     return out
 

@@ -3,12 +3,15 @@ chunk summaries against the plain sequential computation (fp32)."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
 from conftest import by_request
 
-from sglang_hybrid.parallel.kda_summary import chunk_summary, conv_windows, fold_states, summary_by_recurrence
+from sglang_hybrid.parallel.kda_summary import (chunk_summary, conv_windows, each_sequence, fold_states,
+                                                summary_by_recurrence)
 from sglang_hybrid.parallel.zigzag import chunk_bounds, contiguous_plan, rank_work, zigzag_plan
 from sglang_hybrid.reference.ops import kda_recurrence, l2norm, short_causal_conv
 
@@ -95,13 +98,16 @@ def test_folded_chunk_summaries_equal_the_sequential_recurrence(sizes):
     torch.testing.assert_close(torch.cat(per_chunk), out, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("n", [0, 1, 19])
-def test_summary_by_one_recurrence_run_equals_the_matrix_product(n):
-    """The summary the CP layers use (one run of the recurrence on [v | 0] from [0 | I])
-    equals the explicit product of the per-token maps."""
-    _, k, v, decay, beta = _kda_inputs(n)
-    for got, want in zip(summary_by_recurrence(kda_recurrence, k, v, decay, beta), chunk_summary(k, v, decay, beta)):
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+@pytest.mark.parametrize("lens", [[0], [1], [19], [7, 0, 12]])
+def test_summary_by_one_recurrence_run_equals_the_matrix_product(lens):
+    """The summary the CP layers use (one run of the recurrence on [v | 0] from [0 | I], over
+    every sequence at once) equals the explicit product of each sequence's per-token maps."""
+    _, k, v, decay, beta = _kda_inputs(sum(lens))
+    cu = [0, *itertools.accumulate(lens)]
+    M, E = summary_by_recurrence(each_sequence(kda_recurrence), k, v, decay, beta, cu)
+    for n, (a, b) in enumerate(zip(cu[:-1], cu[1:])):
+        for got, want in zip((M[n], E[n]), chunk_summary(k[a:b], v[a:b], decay[a:b], beta[a:b])):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
 def _relative_error(got, want):
@@ -110,24 +116,27 @@ def _relative_error(got, want):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype, bound", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
-@pytest.mark.parametrize("T", [45, 200])
-def test_gpu_recurrence_equals_the_reference(dtype, bound, T):
-    """The GPU's per-chunk kernels under CP (kda_backend.cp_kernels), behind the reference's
-    contract: serving fp32, fla's fused recurrence (exact) and a summary from one run of it;
-    serving bf16, SGLang's chunk_kda on bf16 inputs (it rounds intra-chunk products, ~2e-3)
-    and fla's CP summary kernel over the chunk's WY factors. Outputs, final state and the
-    summary (M, E), against the fp32 reference. A chunk shorter than and spanning several of
-    the kernels' 64-token chunks; 64-wide heads, as the presets have."""
+@pytest.mark.parametrize("lens", [[45], [200], [45, 0, 200, 1]])
+def test_gpu_recurrence_equals_the_reference(dtype, bound, lens):
+    """The GPU's kernels under CP (kda_backend.cp_kernels), one call over all of a rank's
+    chunks, behind the reference's contract (kda_summary.each_sequence): serving fp32, fla's
+    fused recurrence (exact) and a summary from one run of it; serving bf16, SGLang's chunk_kda
+    on bf16 inputs (it rounds intra-chunk products, ~2e-3) and fla's CP summary kernel over the
+    chunks' WY factors. Outputs, final states and the summaries (M, E), against the fp32
+    reference. Chunks shorter than and spanning several of the kernels' 64-token chunks, an
+    empty one among them; 64-wide heads, as the presets have."""
     from sglang_hybrid.layers import kda_backend
 
     recurrence, summary = kda_backend.cp_kernels(torch.empty(0, device="cuda", dtype=dtype))
-    q, k, v, decay, beta = (t.cuda() for t in _kda_inputs(T, H=4, K=64, V=64))
+    cu = [0, *itertools.accumulate(lens)]
+    q, k, v, decay, beta = (t.cuda() for t in _kda_inputs(cu[-1], H=4, K=64, V=64))
     decay = decay * 0.1  # gates that keep M well above rounding over 200 tokens
-    state = torch.randn(4, 64, 64, generator=torch.Generator().manual_seed(3)).cuda()
-    pairs = [*zip(recurrence(q, k, v, decay, beta, state), kda_recurrence(q, k, v, decay, beta, state)),
-             *zip(summary(k, v, decay, beta), chunk_summary(k, v, decay, beta))]
+    states = torch.randn(len(lens), 4, 64, 64, generator=torch.Generator().manual_seed(3)).cuda()
+    reference = each_sequence(kda_recurrence)
+    pairs = [*zip(recurrence(q, k, v, decay, beta, states, cu), reference(q, k, v, decay, beta, states, cu)),
+             *zip(summary(k, v, decay, beta, cu), summary_by_recurrence(reference, k, v, decay, beta, cu))]
     errors = [_relative_error(got.float(), want) for got, want in pairs]
-    assert max(errors) < bound, f"relative errors (o, final, M, E): {errors}"
+    assert max(errors) < bound, f"relative errors (o, finals, M, E): {errors}"
 
 
 @pytest.mark.gpu

@@ -9,6 +9,7 @@ TorchKDAAttnBackend reads and writes the same pool with the golden model's ops.
 from __future__ import annotations
 
 import functools
+import itertools
 
 import torch
 
@@ -17,7 +18,7 @@ from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 
 from sglang_hybrid.layers.draft_tree import draft_tree_parents
 from sglang_hybrid.parallel.kda_cp import conv_cp, kda_cp
-from sglang_hybrid.parallel.kda_summary import summary_by_recurrence
+from sglang_hybrid.parallel.kda_summary import each_sequence, summary_by_recurrence
 from sglang_hybrid.reference import ops
 
 
@@ -128,75 +129,99 @@ def extend_snapshots(forward_batch, metadata, prefix_lens, chunk: int) -> dict[i
     return {i: ((seqlens[i] - prefix_lens[i]) // chunk * chunk, dst[i]) for i in range(len(mask)) if mask[i]}
 
 
-def fused_recurrence(q, k, v, g, beta, state):
-    """reference.ops.kda_recurrence's contract (q l2-normalised and scaled, k l2-normalised,
-    g the log decay, state [H, K, V]) on fla's fused recurrent KDA kernel (SGLang's copy, which
-    keeps states as [H, V, K]): one launch per chunk, fp32 state."""
+def _nonempty(cu: list[int]) -> tuple[list[int], list[int]]:
+    """The sequences of cu with rows, and their own offsets (fla's varlen kernels want no empty one)."""
+    keep = [n for n in range(len(cu) - 1) if cu[n + 1] > cu[n]]
+    return keep, [0] + list(itertools.accumulate(cu[n + 1] - cu[n] for n in keep))
+
+
+def _rows(cu: list[int], keep: list[int], device) -> torch.Tensor:
+    return torch.cat([torch.arange(cu[n], cu[n + 1], device=device) for n in keep])
+
+
+def fused_recurrence(q, k, v, g, beta, states, cu):
+    """kda_summary.each_sequence's contract (q l2-normalised and scaled, k l2-normalised, g the
+    log decay, states [N, H, K, V], rows cu[n]:cu[n + 1] per sequence) on fla's fused recurrent
+    KDA kernel (SGLang's copy, which keeps states as [H, V, K]): one launch for every sequence,
+    fp32 state."""
     from sglang.kernels.ops.attention.fla.kda import fused_recurrent_kda
 
-    if q.shape[0] == 0:
-        return v.new_zeros(v.shape), state
-    o, final = fused_recurrent_kda(q=q[None], k=k[None], v=v[None], g=g[None], beta=beta[None], scale=1.0,
-                                   initial_state=state.float().transpose(-1, -2)[None].contiguous(),
-                                   use_qk_l2norm_in_kernel=False)
-    return o[0], final[0].transpose(-1, -2)
+    keep, offsets = _nonempty(cu)
+    o, finals = v.new_zeros(v.shape), states.float().clone()
+    if not keep:
+        return o, finals
+    rows = _rows(cu, keep, q.device)
+    out, final = fused_recurrent_kda(
+        q=q[rows][None], k=k[rows][None], v=v[rows][None], g=g[rows][None], beta=beta[rows][None], scale=1.0,
+        initial_state=finals[keep].transpose(-1, -2).contiguous(), use_qk_l2norm_in_kernel=False,
+        cu_seqlens=torch.tensor(offsets, dtype=torch.long, device=q.device))
+    o[rows], finals[keep] = out[0].to(o.dtype), final.float().transpose(-1, -2)
+    return o, finals
 
 
-def chunked_recurrence(q, k, v, g, beta, state, dtype=torch.bfloat16):
+def chunked_recurrence(q, k, v, g, beta, states, cu, dtype=torch.bfloat16):
     """The same contract on SGLang's chunked KDA kernel (chunk_kda), what bf16 serving
     prefills with: several times faster than the fused recurrence over long chunks, not
     fp32-exact (see _recurrent_fp32_extend_kernel). q, k, v and beta go in at the serving
     dtype, as SGLang's own prefill hands them over (fp32 inputs run the kernel ~3x slower,
-    cp_prefill.md); the gate and the state stay fp32."""
+    cp_prefill.md); the gate and the states stay fp32."""
     from sglang.kernels.ops.attention.fla.kda import chunk_kda
 
-    T = q.shape[0]
-    if T == 0:
-        return v.new_zeros(v.shape), state
-    pool = state.float().transpose(-1, -2)[None].contiguous()  # one slot [1, H, V, K]; the kernel ends it in place
-    o = chunk_kda(q=q[None].to(dtype).contiguous(), k=k[None].to(dtype).contiguous(),
-                  v=v[None].to(dtype, copy=True), g=g[None].float().contiguous(),
-                  beta=beta[None].to(dtype).contiguous(), scale=1.0, initial_state=pool,
-                  initial_state_indices=torch.zeros(1, dtype=torch.int32, device=q.device),
-                  cu_seqlens=torch.tensor([0, T], dtype=torch.int32, device=q.device))
-    return o[0], pool[0].transpose(-1, -2)  # v's copy holds the outputs (chunk_kda writes o over v)
+    keep, offsets = _nonempty(cu)
+    o, finals = v.new_zeros(v.shape), states.float().clone()
+    if not keep:
+        return o, finals
+    rows = _rows(cu, keep, q.device)
+    pool = finals[keep].transpose(-1, -2).contiguous()  # a slot [H, V, K] per sequence; the kernel ends them in place
+    out = chunk_kda(q=q[rows][None].to(dtype), k=k[rows][None].to(dtype), v=v[rows][None].to(dtype),
+                    g=g[rows][None].float().contiguous(), beta=beta[rows][None].to(dtype), scale=1.0,
+                    initial_state=pool, initial_state_indices=torch.arange(len(keep), dtype=torch.int32,
+                                                                           device=q.device),
+                    cu_seqlens=torch.tensor(offsets, dtype=torch.int32, device=q.device))
+    o[rows], finals[keep] = out[0].to(o.dtype), pool.transpose(-1, -2)
+    return o, finals
 
 
-def chunked_summary(k, v, g, beta, dtype=torch.bfloat16):
-    """kda_summary.chunk_summary's (M, E) for chunked_recurrence's chunks, the way fla's own
-    context parallelism summarizes a rank's sequence: the chunk's WY factors (the intra-chunk
-    half of a chunk_kda prefill) carried through chunk_cp_fwd_h, which writes [E | M]
-    ([H, K, V + K], fp32). Where summary_by_recurrence runs the whole chunk again over V + K
-    value columns, this costs about one chunk's intra work plus a K x (V + K) state pass."""
+def chunked_summary(k, v, g, beta, cu, dtype=torch.bfloat16):
+    """kda_summary.chunk_summary's (M [N, H, K, K], E [N, H, K, V]) of each sequence of
+    chunked_recurrence's, the way fla's own context parallelism summarizes a rank's sequences:
+    their WY factors (the intra-chunk half of a chunk_kda prefill) carried through
+    chunk_cp_fwd_h, which writes [E | M] ([H, K, V + K] per sequence, fp32), all sequences in
+    one launch of each. Where summary_by_recurrence runs every sequence again over V + K value
+    columns, this costs about their intra work plus a K x (V + K) state pass."""
     from fla.ops.cp.chunk_fwd import chunk_cp_fwd_h
     from fla.ops.kda.chunk_intra import chunk_kda_fwd_intra
     from fla.ops.utils import chunk_local_cumsum
     from fla.ops.utils.constant import RCP_LN2
     from fla.ops.utils.index import prepare_chunk_indices
 
-    T, H, K = k.shape
-    V = v.shape[-1]
-    if T == 0:
-        return torch.eye(K, device=k.device).expand(H, K, K).clone(), k.new_zeros(H, K, V, dtype=torch.float32)
-    cu = torch.tensor([0, T], device=k.device, dtype=torch.long)
-    indices = prepare_chunk_indices(cu, 64)
-    gk = chunk_local_cumsum(g=g[None].float().contiguous(), scale=RCP_LN2, chunk_size=64, cu_seqlens=cu,
-                            chunk_indices=indices)  # fla's kernels take log2 decays, cumulated per 64 tokens
-    keys = k[None].to(dtype).contiguous()
-    w, u, _, kg, _, _ = chunk_kda_fwd_intra(q=keys, k=keys, v=v[None].to(dtype).contiguous(), gk=gk,
-                                            beta=beta[None].to(dtype).contiguous(), scale=1.0, cu_seqlens=cu,
-                                            chunk_size=64, chunk_indices=indices)
-    hm = torch.zeros(H, K, V + K, device=k.device, dtype=torch.float32)
-    chunk_cp_fwd_h(k=kg, w=w, u=u, hm=hm, gk=gk, cu_seqlens=cu, chunk_size=64)
+    H, K, V = k.shape[1], k.shape[2], v.shape[-1]
+    keep, offsets = _nonempty(cu)
+    hm = torch.zeros(len(cu) - 1, H, K, V + K, device=k.device, dtype=torch.float32)
+    hm[..., V:] = torch.eye(K, device=k.device)  # an empty sequence maps its state to itself
+    if keep:
+        rows = _rows(cu, keep, k.device)
+        lens = torch.tensor(offsets, device=k.device, dtype=torch.long)
+        indices = prepare_chunk_indices(lens, 64)
+        gk = chunk_local_cumsum(g=g[rows][None].float().contiguous(), scale=RCP_LN2, chunk_size=64, cu_seqlens=lens,
+                                chunk_indices=indices)  # fla's kernels take log2 decays, cumulated per 64 tokens
+        keys = k[rows][None].to(dtype).contiguous()
+        w, u, _, kg, _, _ = chunk_kda_fwd_intra(q=keys, k=keys, v=v[rows][None].to(dtype).contiguous(), gk=gk,
+                                                beta=beta[rows][None].to(dtype).contiguous(), scale=1.0,
+                                                cu_seqlens=lens, chunk_size=64, chunk_indices=indices)
+        part = hm.new_zeros(len(keep), H, K, V + K)
+        chunk_cp_fwd_h(k=kg, w=w, u=u, hm=part, gk=gk, cu_seqlens=lens, chunk_size=64, multi_seqs=True)
+        hm[keep] = part
     return hm[..., V:], hm[..., :V]
 
 
 def cp_kernels(x: torch.Tensor):
-    """(recurrence, summary) for each chunk of a CP extend (parallel.kda_cp): the reference on
-    CPU; on a GPU, fla's fused recurrence when serving fp32 (the exact mode) and the chunked
-    kernels at the serving dtype otherwise, as without CP."""
+    """(recurrence, summary) for a rank's chunks in a CP extend (parallel.kda_cp), each one
+    call over all of them: the reference on CPU; on a GPU, fla's fused recurrence when serving
+    fp32 (the exact mode) and the chunked kernels at the serving dtype otherwise, as without CP."""
     if not x.is_cuda:
-        return ops.kda_recurrence, functools.partial(summary_by_recurrence, ops.kda_recurrence)
+        recurrence = each_sequence(ops.kda_recurrence)
+        return recurrence, functools.partial(summary_by_recurrence, recurrence)
     if x.dtype == torch.float32:
         return fused_recurrence, functools.partial(summary_by_recurrence, fused_recurrence)
     return functools.partial(chunked_recurrence, dtype=x.dtype), functools.partial(chunked_summary, dtype=x.dtype)

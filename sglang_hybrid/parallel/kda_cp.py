@@ -22,7 +22,7 @@ import functools
 import torch
 import torch.distributed as dist
 
-from sglang_hybrid.parallel.kda_summary import conv_windows, fold_states, summary_by_recurrence
+from sglang_hybrid.parallel.kda_summary import conv_windows, each_sequence, fold_states, summary_by_recurrence
 from sglang_hybrid.parallel.zigzag import chunk_bounds, zigzag_chunks
 from sglang_hybrid.reference.ops import kda_recurrence, short_causal_conv
 
@@ -105,43 +105,57 @@ def conv_cp(x: torch.Tensor, windows: torch.Tensor, weight: torch.Tensor, length
 
 
 def kda_cp(q, k, v, g, beta, initial: torch.Tensor, lengths: list[int], group=None, cuts: dict[int, int] | None = None,
-           recurrence=kda_recurrence, summary=None):
+           recurrence=each_sequence(kda_recurrence), summary=None):
     """The gated delta rule over this rank's rows (q, k: [T_local, H, K]; v: [T_local, H, V];
     g: [T_local, H, K]; beta: [T_local, H]) of a zigzag-partitioned batch. initial: [B, H, K, V]
     each request's state before its new tokens; cuts: {request: c} for states wanted after c
     of its new tokens. Returns (o [T_local, H, V], final states [B, H, K, V], states at the
-    cuts [len(cuts), H, K, V] in request order), states in fp32. recurrence: the kernel run
-    per chunk for its outputs, the reference by default; summary: (k, v, g, beta) -> a chunk's
-    (M, E), by default one run of the recurrence (kda_summary.summary_by_recurrence)."""
+    cuts [len(cuts), H, K, V] in request order), states in fp32.
+
+    The rank's chunks, each cut in two where a snapshot falls in it, are its pieces, in row
+    order. One summary call gives every piece's (M, E); a cut chunk's map is its two pieces'
+    composed. After the all-gather and the fold, one recurrence call runs every piece from its
+    true incoming state: a chunk's, or for the piece after a cut, the snapshot M S + E of the
+    piece before it. recurrence: (q, k, v, g, beta, states [N, ...], cu) -> (o, finals) over N
+    sequences of rows cu[n]:cu[n + 1] (kda_summary.each_sequence), the reference by default;
+    summary: (k, v, g, beta, cu) -> (M [N, ...], E [N, ...]), by default one run of the
+    recurrence (kda_summary.summary_by_recurrence)."""
     summary = summary or functools.partial(summary_by_recurrence, recurrence)
     world, rank = dist.get_world_size(group), dist.get_rank(group)
-    mine = local_chunks(lengths, world, rank)
-    summaries = torch.stack([torch.stack([torch.cat(summary(k[s], v[s], g[s], beta[s]), dim=-1)
-                                          for s in pair]) for pair in mine]) if mine else \
-        q.new_zeros(0, 2, q.shape[1], k.shape[2], k.shape[2] + v.shape[2])
+    B, H, K, V = len(lengths), q.shape[1], k.shape[2], v.shape[2]
+    mine, ids, cuts = local_chunks(lengths, world, rank), zigzag_chunks(rank, world), cuts or {}
+    pieces = []  # (request, which of its two chunks, rows), in row order
+    for j in (0, 1):
+        for i, pair in enumerate(mine):
+            for rows in _pieces(pair[j], ids[j], chunk_bounds(lengths[i], 2 * world), cuts.get(i)):
+                if rows is not None:
+                    pieces.append((i, j, rows))
+    cu = [0] + [rows.stop for _, _, rows in pieces]
+    M, E = summary(k, v, g, beta, cu) if pieces else (q.new_zeros(0, H, K, K), q.new_zeros(0, H, K, V))
+    maps = {}  # (request, chunk of its two) -> the chunk's (M, E)
+    for (i, j, _), m, e in zip(pieces, M.float(), E.float()):
+        if (i, j) in maps:  # the piece after a cut: its map follows the one before
+            m0, e0 = maps[(i, j)]
+            m, e = torch.bmm(m, m0), torch.bmm(m, e0) + e
+        maps[(i, j)] = m, e
+    summaries = torch.stack([torch.stack([torch.cat(maps[(i, j)], dim=-1) for j in (0, 1)]) for i in range(B)]) \
+        if B else q.new_zeros(0, 2, H, K, K + V, dtype=torch.float32)
     gathered = _all_gather(summaries, group)  # [W] x [B, 2, H, K, K + V]
-    K = k.shape[2]
-    o = v.new_empty(v.shape)
-    finals = []
-    cuts = cuts or {}
+    states = [fold_states(_in_sequence_order([[(gathered[r][i, j, ..., :K], gathered[r][i, j, ..., K:])
+                                                for j in (0, 1)] for r in range(world)], world), initial[i])
+              for i in range(B)]
     snaps = initial.new_zeros((len(cuts),) + tuple(initial.shape[1:]), dtype=torch.float32)
     slot = {i: n for n, i in enumerate(sorted(cuts))}
-    for i, pair in enumerate(mine):
-        per_chunk = _in_sequence_order([[(gathered[r][i, j, ..., :K], gathered[r][i, j, ..., K:]) for j in (0, 1)]
-                                        for r in range(world)], world)
-        states = fold_states(per_chunk, initial[i])
-        bounds = chunk_bounds(lengths[i], 2 * world)
-        for s, c in zip(pair, zigzag_chunks(rank, world)):
-            before, after = _pieces(s, c, bounds, cuts.get(i))
-            state = states[c]
-            for piece in (before, after):
-                if piece is not None and piece.stop > piece.start:
-                    out, state = recurrence(q[piece], k[piece], v[piece], g[piece], beta[piece], state)
-                    o[piece] = out.to(o.dtype)
-                if piece is before and after is not None:
-                    snaps[slot[i]] = state
-        finals.append(states[-1])
-    return o, (torch.stack(finals) if finals else initial.float()), _owned_snapshots(snaps, group)
+    incoming = []
+    for n, (i, j, _) in enumerate(pieces):
+        if n and pieces[n - 1][:2] == (i, j):  # after a cut: the snapshot, from the piece before it
+            snaps[slot[i]] = torch.bmm(M[n - 1].float(), incoming[-1]) + E[n - 1].float()
+            incoming.append(snaps[slot[i]])
+        else:
+            incoming.append(states[i][ids[j]])
+    o = recurrence(q, k, v, g, beta, torch.stack(incoming), cu)[0] if pieces else v.new_empty(v.shape)
+    finals = torch.stack([s[-1] for s in states]) if B else initial.float()
+    return o.to(v.dtype), finals, _owned_snapshots(snaps, group)
 
 
 def _all_gather(t: torch.Tensor, group) -> list[torch.Tensor]:

@@ -24,8 +24,8 @@ The short causal conv in front of the recurrence needs the last width - 1 pre-co
 inputs before a chunk (its halo), which may span several earlier chunks when chunks
 are short; conv_windows folds them in order like the states.
 
-These are the plain-PyTorch definitions (fp32 on any device); the CP layers use them
-per chunk.
+These are the plain-PyTorch definitions (fp32 on any device); the CP layers run them over
+all of a rank's chunks at once (each_sequence's contract).
 """
 
 from __future__ import annotations
@@ -49,18 +49,35 @@ def chunk_summary(k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch
     return M, E
 
 
-def summary_by_recurrence(recurrence, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor):
-    """chunk_summary's (M, E) from one run of the recurrence itself (any kernel with
-    reference.ops.kda_recurrence's contract): the map is linear in the state column by
-    column, so running the chunk on values [v | 0] from the state [0 | I] ([K, V + K]) ends
-    at M [0 | I] + [E | 0] = [E | M]. On a GPU that is one fused-kernel launch instead of
-    T small matrix products."""
+def each_sequence(recurrence):
+    """A recurrence over several sequences at once, the contract parallel.kda_cp runs its chunks
+    with: (q, k, v, g, beta, states [N, H, K, V], cu [N + 1] row offsets) -> (o, final states
+    [N, H, K, V] fp32), from one with reference.ops.kda_recurrence's (one sequence, one state),
+    run sequence by sequence. An empty sequence keeps its state."""
+    def run(q, k, v, g, beta, states, cu):
+        o, finals = v.new_zeros(v.shape), states.float().clone()
+        for n, (a, b) in enumerate(zip(cu[:-1], cu[1:])):
+            if b > a:
+                out, finals[n] = recurrence(q[a:b], k[a:b], v[a:b], g[a:b], beta[a:b], states[n])
+                o[a:b] = out.to(o.dtype)
+        return o, finals
+    return run
+
+
+def summary_by_recurrence(recurrence, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                          cu: list[int]):
+    """chunk_summary's (M [N, H, K, K], E [N, H, K, V]) of each sequence cu[n]:cu[n + 1], from one
+    run of the recurrence itself (each_sequence's contract): the map is linear in the state
+    column by column, so running a sequence on values [v | 0] from the state [0 | I] ([K, V + K])
+    ends at M [0 | I] + [E | 0] = [E | M]. On a GPU that is one fused-kernel launch for every
+    sequence instead of T small matrix products each."""
     T, H, K = k.shape
     V = v.shape[-1]
     values = torch.cat([v.float(), v.new_zeros(T, H, K, dtype=torch.float32)], dim=-1)
-    start = torch.cat([k.new_zeros(H, K, V, dtype=torch.float32),
-                       torch.eye(K, device=k.device).expand(H, K, K)], dim=-1)
-    _, end = recurrence(k.new_zeros(T, H, K, dtype=torch.float32), k.float(), values, g.float(), beta.float(), start)
+    start = torch.cat([k.new_zeros(H, K, V, dtype=torch.float32), torch.eye(K, device=k.device).expand(H, K, K)],
+                      dim=-1)
+    _, end = recurrence(k.new_zeros(T, H, K, dtype=torch.float32), k.float(), values, g.float(), beta.float(),
+                        start.expand(len(cu) - 1, H, K, V + K).contiguous(), cu)
     return end[..., V:], end[..., :V]
 
 
