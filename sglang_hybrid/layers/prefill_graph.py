@@ -36,7 +36,7 @@ def _on_live_rows(attend: Callable, out: torch.Tensor, layer_id: int, *inputs: t
     context = get_tc_piecewise_forward_context()
     batch = context.forward_batch
     n = batch.num_token_non_padded_cpu
-    batch.hybrid_prefill_cp = None  # the runner's own batch; SGLang keeps this graph off under CP
+    batch.hybrid_prefill_cp = None  # the runner's own batch; this graph never runs under CP (plugin)
     bucket = batch.out_cache_loc, batch.positions
     batch.out_cache_loc, batch.positions = bucket[0][:n], bucket[1][:n]
     try:
