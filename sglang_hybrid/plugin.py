@@ -278,11 +278,13 @@ def _breakable_prefill_rules(original, server_args, *args, **kwargs):
     apply; SGLang's other rules (context parallelism and the rest) still do."""
     if not _is_ours(server_args.get_model_config().hf_config):
         return original(server_args, *args, **kwargs)
+    shadowing = "use_mla_backend" not in vars(server_args)  # else an outer call of this hook does
     server_args.use_mla_backend = lambda: False  # shadows the method for this call only
     try:
         return original(server_args, *args, **kwargs)
     finally:
-        del server_args.use_mla_backend
+        if shadowing:
+            vars(server_args).pop("use_mla_backend")
 
 
 def _context_parallel_checks(server_args) -> None:
