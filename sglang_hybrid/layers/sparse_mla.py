@@ -187,4 +187,3 @@ def sparse_attention(layer: RadixAttention, forward_batch: ForwardBatch, q, k, v
     """Store the new rows, select each row's Top-K, attend there (layers.sparse_mla_backend)."""
     return get_attn_backend().forward(q, k, v, layer, forward_batch, True, index_q=index_q,
                                       index_q_scale=index_q_scale, index_k=index_k, index_weights=index_weights)
-
