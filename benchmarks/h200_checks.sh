@@ -150,6 +150,14 @@ part() {
     # The indexer alone where it is slowest, and prefill's first shape.
     timing-key) timing timing-key 280 --indexer-only --case decode:32x131072 --case decode:64x131072 \
                   --case decode:64x32768 --case decode:8x131072 --case prefill:8192 ;;
+    # The indexer's ordering stage alone (Triton radix select + ranks against torch.topk) at the
+    # decode grid's shapes, then the whole indexer where the ordering dominates, against unfused.
+    timing-ordering) mkdir -p "$OUT/timing-ordering"
+             timeout 150 python3 benchmarks/indexer_breakdown.py --out "$OUT/timing-ordering/ordering.json" \
+               > "$OUT/timing-ordering/log.txt" 2>&1
+             echo "timing-ordering: rc=$?"; cut -c1-200 "$OUT/timing-ordering/log.txt" | tail -16 ;;
+    timing-small-batch) timing timing-small-batch 250 --indexer-only --case decode:1x4096 --case decode:1x32768 \
+                  --case decode:8x32768 --case decode:1x131072 --case decode:32x131072 --case decode:64x131072 ;;
     # Issue 4: the KDA layer's CP costs (summary, fold, local prefill, the served kernels) against its
     # plain prefill; needs fla-core in the bundle (benchmarks/cp_prefill_cost.py says how). Alone in a
     # call: fla's kernels compile and autotune for ~200 s before the first case (runs 44, 45).

@@ -136,3 +136,45 @@ def merges_per_program(scores: torch.Tensor, topk: int, split_len: int, block_s:
                 pending, waiting, merges = [], 0, merges + 1
         counts.append(merges + (1 if waiting else 0))
     return counts
+
+
+def ordering_ms(rows: int, splits: int, topk: int) -> dict:
+    """The ordering stage alone at the kernel's part shape [rows, splits, KP], on keys of
+    random fp32 scores at distinct positions: order_keys (Triton) against order_keys_torch
+    (one torch.topk), CUDA-graph medians, and whether they agree."""
+    kp = max(triton.next_power_of_2(topk), 16)
+    g = torch.Generator(device="cuda").manual_seed(rows * splits)
+    positions = torch.argsort(torch.rand(rows, splits * kp, device="cuda", generator=g), dim=1)
+    part = indexer_topk.encode_keys_torch(torch.randn(rows, splits * kp, device="cuda", generator=g),
+                                          positions).reshape(rows, splits, kp)
+    same = all(torch.equal(a, b) for a, b in zip(indexer_topk.order_keys(part, topk),
+                                                   indexer_topk.order_keys_torch(part, topk)))
+    return {"rows": rows, "splits": splits, "topk": topk, "keys_per_row": splits * kp, "same": same,
+            "triton_ms": do_bench_cudagraph(lambda: indexer_topk.order_keys(part, topk), return_mode="median"),
+            "torch_ms": do_bench_cudagraph(lambda: indexer_topk.order_keys_torch(part, topk), return_mode="median")}
+
+
+def main() -> None:
+    """The ordering stage at the decode grid's part shapes (splits as indexer_topk picks
+    them: one wave of two programs per SM), Top-K 2048 and 256."""
+    import argparse
+    import json
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    programs = 2 * torch.cuda.get_device_properties(0).multi_processor_count
+    out = []
+    for topk in (2048, 256):
+        kp = triton.next_power_of_2(topk)
+        for rows, history in ((1, 4096), (1, 32768), (8, 32768), (64, 32768), (1, 131072), (8, 131072),
+                              (32, 131072), (64, 131072)):
+            splits = triton.cdiv(history, indexer_topk._split_len(history, kp, rows, programs))
+            out.append(dict(history=history, **ordering_ms(rows, splits, topk)))
+            print(json.dumps(out[-1]), flush=True)
+    with open(args.out, "w") as f:
+        json.dump({"device": torch.cuda.get_device_name(0), "cases": out}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

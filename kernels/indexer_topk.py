@@ -1,4 +1,4 @@
-"""Fused lightning-indexer Top-K: no score matrix, one kernel and one ordering topk.
+"""Fused lightning-indexer Top-K: no score matrix; one scoring kernel, then the ordering stage.
 
 For every query row r (a decode token, a speculative-verify token, or a prefill
 token) the kernel scores each position s < row_len[r] of its request,
@@ -27,10 +27,11 @@ a pass from the top (one block-wide count per pass, stopping once the KP-th best
 separated from the next; no sort) and the keys that reach it kept, unordered. Over n
 positions in random order about KP (1 + ln(n / KP)) keys ever beat the bar, so a program merges a few times; a
 history that only rises merges every KP positions, never gives a wrong answer. The
-kernel writes each program's KP keys unordered; one torch.topk over them (and over the
-splits of a row, when the history is split across programs) gives the K positions in
-order. (Run 19: Triton's sort of 4096 keys took 113 us per merge, three quarters of
-the kernel's time at 64 x 128K; the scoring loop alone ran at 93% of copy bandwidth.)
+kernel writes each program's KP keys unordered (run 19: Triton's sort of 4096 keys took
+113 us per merge, three quarters of the kernel's time at 64 x 128K; the scoring loop
+alone ran at 93% of copy bandwidth). The ordering stage then takes the best K over a
+row's splits, best first: order_keys (a radix select and ranks, in Triton) where a batch's
+rows x K^2 rank comparisons stay small, torch.topk over the keys past that (run 58).
 A program serves up to block_m consecutive rows of one request (the rows of a prefill
 chunk or of a verify step): each K tile is loaded once for all of them, one dot gives
 every row's logits, and the rows keep their running Top-Ks side by side.
@@ -228,7 +229,7 @@ def _indexer_topk_kernel(
             count += tl.sum(beats.to(tl.int32), axis=1)
             if tl.max(count, axis=0) > KP - BLOCK_S:  # the buffer might not take the next tile
                 held, bar, count = _merge_candidates(buf, buf, held, count, offs_2k, NONE, KP, GPU)
-    # The split's best KP keys, unordered; _order_keys (torch) ranks them across splits.
+    # The split's best KP keys, unordered; order_keys ranks them across splits.
     part = part_ptr + (rows[:, None] * tl.num_programs(1) + tl.program_id(1)) * KP
     part = tl.where(live[:, None], part, buf + KP)  # a block's rows past its end write into their own buffer
     _merge_candidates(buf, part, held, count, offs_2k, NONE, KP, GPU)
@@ -260,11 +261,219 @@ def _split_len(history: int, kp: int, programs: int, target: int) -> int:
     return triton.cdiv(triton.cdiv(history, splits), kp) * kp
 
 
-def _order_keys(part: torch.Tensor, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
+# The ordering stage: a radix select of each row's best min(K, real) keys from the splits'
+# KP keys, 8 bits a round from the highest bit on which the row's keys differ, then each
+# selected key placed at its rank. The first round (over every key) runs one program per
+# chunk of a row; the rest (over the keys on the first round's boundary digit, usually a
+# few percent) one program per row.
+
+@triton.jit
+def _digit(key, shift):
+    """The 8 bits of key from bit `shift` up (below bit 0 for a negative shift), of the key
+    with its sign bit flipped, whose unsigned order is the key's signed order."""
+    u = key ^ (-9223372036854775807 - 1)
+    return tl.where(shift >= 0, u >> tl.maximum(shift, 0), u << tl.maximum(-shift, 0)) & 255
+
+
+@triton.jit
+def _row_start(stats_ptr, row, C, TOPK, C_POW2: tl.constexpr):
+    """From the row's chunk stats: the first round's shift (its digit is the top 8 of the
+    bits on which the row's real keys differ) and need = min(TOPK, real keys)."""
+    offs = tl.arange(0, C_POW2)
+    at = stats_ptr + (row * C + offs) * 3
+    kmax = tl.max(tl.load(at, mask=offs < C, other=-9223372036854775807 - 1))
+    kmin = tl.min(tl.load(at + 1, mask=offs < C, other=9223372036854775807))
+    real = tl.sum(tl.load(at + 2, mask=offs < C, other=0))
+    top = tl.sum(((kmin ^ kmax) >> tl.arange(0, 64).to(tl.int64) != 0).to(tl.int32)) - 1  # highest differing bit
+    return (top - 7).to(tl.int64), tl.minimum(real, TOPK).to(tl.int32)
+
+
+@triton.jit
+def _boundary(hist, rest):
+    """The digit d that holds the rest-th best of the candidates histogrammed in hist [256],
+    how many are above it, and whether d's candidates end exactly at the rest-th (then the
+    select ends with them)."""
+    bins = tl.arange(0, 256)
+    ge = tl.sum(hist) - tl.cumsum(hist, 0) + hist  # candidates on this digit or above
+    d = tl.max(tl.where(ge >= rest, bins, -1))
+    above = tl.sum(tl.where(bins > d, hist, 0))
+    return d, above, above + tl.sum(tl.where(bins == d, hist, 0)) == rest
+
+
+@triton.jit
+def _chunk_stats_kernel(part_ptr, stats_ptr, N, BLOCK: tl.constexpr):
+    """Program (row, chunk): its real keys' maximum, minimum and count."""
+    NONE: tl.constexpr = -9223372036854775807 - 1
+    row, c = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    offs = c * BLOCK + tl.arange(0, BLOCK)
+    key = tl.load(part_ptr + row * N + offs, mask=offs < N, other=NONE)
+    real = key != NONE
+    at = stats_ptr + (row * tl.num_programs(1) + c) * 3
+    tl.store(at, tl.max(key))
+    tl.store(at + 1, tl.min(tl.where(real, key, 9223372036854775807)))
+    tl.store(at + 2, tl.sum(real.to(tl.int64)))
+
+
+@triton.jit
+def _chunk_histogram_kernel(part_ptr, stats_ptr, hist_ptr, N, TOPK, BLOCK: tl.constexpr, C_POW2: tl.constexpr):
+    """Program (row, chunk): the first round's digit histogram of its real keys, added to the row's."""
+    NONE: tl.constexpr = -9223372036854775807 - 1
+    row, c = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    shift, need = _row_start(stats_ptr, row, tl.num_programs(1), TOPK, C_POW2)
+    offs = c * BLOCK + tl.arange(0, BLOCK)
+    key = tl.load(part_ptr + row * N + offs, mask=offs < N, other=NONE)
+    hist = tl.histogram(_digit(key, shift).to(tl.int32), 256, mask=key != NONE)
+    tl.atomic_add(hist_ptr + row * 258 + tl.arange(0, 256), hist, mask=(hist > 0) & (need > 0))
+
+
+@triton.jit
+def _chunk_split_kernel(part_ptr, stats_ptr, hist_ptr, sel_ptr, rest_ptr, N, TOPK,
+                        BLOCK: tl.constexpr, C_POW2: tl.constexpr):
+    """Program (row, chunk): the first round's split of its keys: those above the boundary
+    digit (and on it, when the select ends there) to sel, those on it to rest (the next
+    rounds' candidates), each at offsets taken from the row's counters (hist[256], hist[257]):
+    the order within sel and rest does not matter, the ranks order the result."""
+    NONE: tl.constexpr = -9223372036854775807 - 1
+    row, c = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    shift, need = _row_start(stats_ptr, row, tl.num_programs(1), TOPK, C_POW2)
+    d, above, last = _boundary(tl.load(hist_ptr + row * 258 + tl.arange(0, 256)), need)
+    offs = c * BLOCK + tl.arange(0, BLOCK)
+    key = tl.load(part_ptr + row * N + offs, mask=offs < N, other=NONE)
+    digit = _digit(key, shift)
+    real = (key != NONE) & (need > 0)
+    up = real & ((digit > d) | (last & (digit == d)))
+    on = real & (digit == d) & ~last
+    n_up, n_on = tl.sum(up.to(tl.int32)), tl.sum(on.to(tl.int32))
+    at_up = tl.atomic_add(hist_ptr + row * 258 + 256, n_up, mask=n_up > 0)
+    at_on = tl.atomic_add(hist_ptr + row * 258 + 257, n_on, mask=n_on > 0)
+    tl.store(sel_ptr + row * TOPK + at_up + tl.cumsum(up.to(tl.int32), 0) - 1, key, mask=up)
+    tl.store(rest_ptr + row * N + at_on + tl.cumsum(on.to(tl.int32), 0) - 1, key, mask=on)
+
+
+@triton.jit
+def _select_rest_kernel(stats_ptr, hist_ptr, rest_ptr, sel_ptr, need_ptr, N, C, TOPK,
+                        BLOCK: tl.constexpr, C_POW2: tl.constexpr, GPU: tl.constexpr):
+    """One program per row: the rounds after the first, over the candidates on its
+    boundary digit (rest[row, :n]). A round histograms their next digit, sends those above
+    the new boundary digit to sel and keeps those on it, in place at the front of rest; the
+    round whose digit ends exactly at the need-th best sends that digit's keys too and is
+    the last (keys are unique, so one comes by bit 0)."""
+    NONE: tl.constexpr = -9223372036854775807 - 1
+    row = tl.program_id(0).to(tl.int64)
+    shift, need = _row_start(stats_ptr, row, C, TOPK, C_POW2)
+    hist = tl.load(hist_ptr + row * 258 + tl.arange(0, 256))
+    d, taken, last = _boundary(hist, need)
+    src = rest_ptr + row * N
+    dst = sel_ptr + row * TOPK
+    offs = tl.arange(0, BLOCK)
+    n = tl.sum(tl.where(tl.arange(0, 256) == d, hist, 0))
+    left = need - taken  # how many of the best are still to send
+    going = (~last) & (left > 0)
+    while going:
+        shift -= 8
+        hist = tl.zeros([256], tl.int32)
+        for c in range(0, n, BLOCK):
+            key = tl.load(src + c + offs, mask=c + offs < n, other=NONE, cache_modifier=".cg")
+            hist += tl.histogram(_digit(key, shift).to(tl.int32), 256, mask=c + offs < n)
+        d, above, last = _boundary(hist, left)
+        kept = tl.zeros([], tl.int32)
+        for c in range(0, n, BLOCK):
+            key = tl.load(src + c + offs, mask=c + offs < n, other=NONE, cache_modifier=".cg")
+            digit = _digit(key, shift)
+            up = (c + offs < n) & ((digit > d) | (last & (digit == d)))
+            on = (c + offs < n) & (digit == d) & ~last
+            # In place: a candidate goes to src[kept + ...], never past what this or an
+            # earlier chunk read (the cumsums need every thread's loads first).
+            tl.store(dst + taken + tl.cumsum(up.to(tl.int32), 0) - 1, key, mask=up)
+            tl.store(src + kept + tl.cumsum(on.to(tl.int32), 0) - 1, key, mask=on)
+            taken += tl.sum(up.to(tl.int32))
+            kept += tl.sum(on.to(tl.int32))
+        # The next round reads what other threads stored: after a barrier.
+        n = tl.max(_after_barrier(kept + tl.zeros([1], tl.int32), GPU), axis=0)
+        left -= above
+        going = (~last) & (left > 0) & (shift > -8)  # a round at shift -8 would read no bit
+    tl.store(need_ptr + row, need)
+
+
+@triton.jit
+def _rank_kernel(sel_ptr, need_ptr, idx_ptr, score_ptr, TOPK, BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr):
+    """Program (row, j): each of the row's selected keys sel[row, j * BLOCK_A ...] goes to
+    its rank (how many selected keys are greater; keys are unique), as a position and
+    its score; slots past need get -1 and -inf. No sort: ranks are counts, and a row's
+    Top-K spreads over TOPK / BLOCK_A programs."""
+    NONE: tl.constexpr = -9223372036854775807 - 1
+    row = tl.program_id(0).to(tl.int64)
+    need = tl.load(need_ptr + row)
+    offs_a = tl.program_id(1) * BLOCK_A + tl.arange(0, BLOCK_A)
+    offs_b = tl.arange(0, BLOCK_B)
+    a = tl.load(sel_ptr + row * TOPK + offs_a, mask=offs_a < need, other=NONE)
+    rank = tl.zeros([BLOCK_A], tl.int32)
+    for c in range(0, need, BLOCK_B):
+        b = tl.load(sel_ptr + row * TOPK + c + offs_b, mask=c + offs_b < need, other=NONE)
+        rank += tl.sum((b[None, :] > a[:, None]).to(tl.int32), axis=1)
+    found = offs_a < need
+    ordered = (a >> 32).to(tl.int32)
+    score = tl.where(ordered >= 0, ordered, ordered ^ 0x7FFFFFFF).to(tl.float32, bitcast=True)
+    at = tl.where(found, rank, offs_a)
+    tl.store(idx_ptr + row * TOPK + at, tl.where(found, 0x7FFFFFFF - (a & 0xFFFFFFFF), -1).to(tl.int32),
+             mask=offs_a < TOPK)
+    tl.store(score_ptr + row * TOPK + at, tl.where(found, score, float("-inf")), mask=offs_a < TOPK)
+
+
+# The most rows x KP^2 for which indexer_topk orders with order_keys. Its rank step compares
+# every selected key with every other: at K = 2048 it beat torch.topk up to 8 rows and lost
+# from 32 (0.148 against 0.126 ms), at K = 256 it won at every row count measured, up to 64
+# (H100, run 58, benchmarks/indexer_breakdown.py).
+ORDER_KEYS_WORK = 8 * 2048 * 2048
+
+
+def order_keys(part: torch.Tensor, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
     """[R, splits, KP] unordered keys (NONE where there is none) -> the best topk positions
-    and their scores, best first. Keys are unique per position, so the order is the
-    reference's (see _encode)."""
-    keys = part.flatten(1).topk(topk, dim=1).values
+    [R, topk] int32 and their fp32 scores, best first, -1 / -inf past the real keys. Six
+    launches, no host sync (CUDA-graph capturable): chunk stats, the first round's
+    histogram and split over every key, the later rounds per row, the ranks. Replaces
+    torch.topk over the keys, whose radix select and sort took 55-130 us at any width (run
+    42). Keys are unique per position, so the order is the reference's (see _encode);
+    order_keys_torch is the reference."""
+    R = part.shape[0]
+    part = part.reshape(R, -1).contiguous()
+    N = part.shape[1]
+    idx = torch.empty(R, topk, dtype=torch.int32, device=part.device)
+    scores = torch.empty(R, topk, dtype=torch.float32, device=part.device)
+    if R == 0 or topk == 0:
+        return idx, scores
+    block = min(2048, triton.next_power_of_2(N))
+    C = triton.cdiv(N, block)
+    c_pow2 = triton.next_power_of_2(C)
+    stats = torch.empty(R, C, 3, dtype=torch.int64, device=part.device)
+    hist = torch.zeros(R, 258, dtype=torch.int32, device=part.device)  # 256 bins, then the split's two counters
+    sel = torch.empty(R, topk, dtype=torch.int64, device=part.device)
+    rest = torch.empty_like(part)
+    need = torch.empty(R, dtype=torch.int32, device=part.device)
+    _chunk_stats_kernel[(R, C)](part, stats, N, BLOCK=block, num_warps=8)
+    _chunk_histogram_kernel[(R, C)](part, stats, hist, N, topk, BLOCK=block, C_POW2=c_pow2, num_warps=8)
+    _chunk_split_kernel[(R, C)](part, stats, hist, sel, rest, N, topk, BLOCK=block, C_POW2=c_pow2, num_warps=8)
+    _select_rest_kernel[(R,)](stats, hist, rest, sel, need, N, C, topk, BLOCK=1024, C_POW2=c_pow2,
+                              GPU=not isinstance(_select_rest_kernel, InterpretedFunction), num_warps=8)
+    block_a = min(128, triton.next_power_of_2(topk))
+    _rank_kernel[(R, triton.cdiv(topk, block_a))](sel, need, idx, scores, topk, BLOCK_A=block_a,
+                                                   BLOCK_B=block_a, num_warps=4)
+    return idx, scores
+
+
+def encode_keys_torch(scores: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """_encode in PyTorch: int64 keys whose signed order is (score, -position)."""
+    bits = torch.where(scores == 0, 0.0, scores.float()).view(torch.int32)
+    ordered = torch.where(bits >= 0, bits, bits ^ 0x7FFFFFFF).long()
+    return (ordered << 32) | (0x7FFFFFFF - positions.long())
+
+
+def order_keys_torch(part: torch.Tensor, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference of order_keys: one torch.topk over each row's keys."""
+    keys = part.flatten(1)
+    if keys.shape[1] < topk:
+        keys = torch.cat([keys, keys.new_full((keys.shape[0], topk - keys.shape[1]), torch.iinfo(torch.int64).min)], 1)
+    keys = keys.topk(topk, dim=1).values
     found = keys != torch.iinfo(torch.int64).min
     pos = torch.where(found, 0x7FFFFFFF - (keys & 0xFFFFFFFF), -1).to(torch.int32)
     ordered = (keys >> 32).to(torch.int32)
@@ -372,7 +581,8 @@ def indexer_topk(
             GPU=not isinstance(_indexer_topk_kernel, InterpretedFunction), TREE=tree is not None,
             num_warps=num_warps, num_stages=num_stages,
         )
-        idx, scores = _order_keys(part, topk)
+        order = order_keys if R * kp * kp <= ORDER_KEYS_WORK else order_keys_torch
+        idx, scores = order(part, topk)
     return (idx, scores) if return_scores else idx
 
 

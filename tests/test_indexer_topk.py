@@ -65,6 +65,19 @@ def test_exact_inputs_match_reference_including_ties(row_lens, reqs, H, D, topk,
     assert torch.equal(scores.cpu(), ref_scores.cpu())
 
 
+@pytest.mark.parametrize("row_lens, reqs, H, D, topk", SHAPES)
+def test_batches_past_the_ordering_kernels_work_bound_order_with_torch(row_lens, reqs, H, D, topk, monkeypatch):
+    """A batch whose rows x KP^2 passes ORDER_KEYS_WORK (prefill chunks, wide verify
+    batches) is ordered by torch.topk over the same keys: the same positions and scores."""
+    monkeypatch.setattr(_module, "ORDER_KEYS_WORK", 0)
+    monkeypatch.setattr(_module, "order_keys", None)  # fails if it were still called
+    args = _case(row_lens, reqs, H, D, max(max(row_lens), 1), integer=True, dtype=torch.float32)
+    idx, scores = indexer_topk(*args, topk, return_scores=True, block_s=16, programs=64)
+    ref_idx, ref_scores = indexer_topk_torch(*args, topk, return_scores=True)
+    assert torch.equal(idx.cpu(), ref_idx.cpu())
+    assert torch.equal(scores.cpu(), ref_scores.cpu())
+
+
 @pytest.mark.parametrize("per_request, block_m", [(4, 4), (3, 4), (6, 4), (1, 2)])
 def test_fixed_rows_per_request_match_reference(per_request, block_m):
     """Speculative verify: the same number of causal rows for every request, in fixed row
@@ -210,6 +223,36 @@ def test_merge_threshold_keeps_exactly_the_best(real):
         kept = row[(row > none) & (row >= thr)]
         best = row[row > none].sort(descending=True).values[:16]
         assert torch.equal(kept.sort(descending=True).values, best)
+
+
+@pytest.mark.parametrize("rows, splits, kp, topk, real", [
+    (1, 1, 16, 16, 16),       # one split, exactly K real
+    (3, 4, 16, 16, 40),       # several splits, more real than K
+    (2, 3, 16, 13, 7),        # fewer real keys than K: -1 / -inf pad
+    (2, 2, 16, 16, 0),        # none real
+    (2, 5, 256, 256, 900),    # the small preset's Top-K, several chunks per round
+    (1, 3, 2048, 2048, 5000), # the bench preset's Top-K, two rank programs' worth of blocks
+])
+@pytest.mark.parametrize("scores", ["random", "ties", "one value", "negative"])
+def test_order_keys_equals_torch_topk(rows, splits, kp, topk, real, scores):
+    """The Triton ordering (radix select + rank) against one torch.topk over the same keys:
+    random scores; few distinct scores (the select runs into the position bits); every
+    score equal (the first rounds keep everything); negative and huge-magnitude scores."""
+    g = torch.Generator().manual_seed(real + topk)
+    none = torch.iinfo(torch.int64).min
+    part = torch.full((rows, splits * kp), none, dtype=torch.int64)
+    for r in range(rows):
+        pos = torch.randperm(splits * kp * 4, generator=g)[:real]
+        s = {"random": torch.randn(real, generator=g),
+             "ties": torch.randint(-2, 3, (real,), generator=g).float(),
+             "one value": torch.zeros(real),
+             "negative": -torch.rand(real, generator=g) * 1e30}[scores]
+        part[r, torch.randperm(splits * kp, generator=g)[:real]] = _module.encode_keys_torch(s, pos)
+    part = part.reshape(rows, splits, kp)
+    ref_idx, ref_scores = _module.order_keys_torch(part, topk)
+    idx, got = _module.order_keys(part.clone().to(DEVICE), topk)
+    assert torch.equal(idx.cpu(), ref_idx)
+    assert torch.equal(got.cpu(), ref_scores)
 
 
 def _assert_match_up_to_near_ties(idx, scores, ref_idx, ref_scores):
