@@ -319,11 +319,11 @@ def _chunk_histogram_kernel(part_ptr, stats_ptr, hist_ptr, N, TOPK, BLOCK: tl.co
     """Program (row, chunk): the first round's digit histogram of its real keys, added to the row's."""
     NONE: tl.constexpr = -9223372036854775807 - 1
     row, c = tl.program_id(0).to(tl.int64), tl.program_id(1)
-    shift, need = _row_start(stats_ptr, row, tl.num_programs(1), TOPK, C_POW2)
+    shift, _ = _row_start(stats_ptr, row, tl.num_programs(1), TOPK, C_POW2)
     offs = c * BLOCK + tl.arange(0, BLOCK)
     key = tl.load(part_ptr + row * N + offs, mask=offs < N, other=NONE)
     hist = tl.histogram(_digit(key, shift).to(tl.int32), 256, mask=key != NONE)
-    tl.atomic_add(hist_ptr + row * 258 + tl.arange(0, 256), hist, mask=(hist > 0) & (need > 0))
+    tl.atomic_add(hist_ptr + row * 258 + tl.arange(0, 256), hist, mask=hist > 0)
 
 
 @triton.jit
@@ -340,7 +340,7 @@ def _chunk_split_kernel(part_ptr, stats_ptr, hist_ptr, sel_ptr, rest_ptr, N, TOP
     offs = c * BLOCK + tl.arange(0, BLOCK)
     key = tl.load(part_ptr + row * N + offs, mask=offs < N, other=NONE)
     digit = _digit(key, shift)
-    real = (key != NONE) & (need > 0)
+    real = key != NONE  # none when need is 0: need = min(TOPK, real keys), TOPK > 0
     up = real & ((digit > d) | (last & (digit == d)))
     on = real & (digit == d) & ~last
     n_up, n_on = tl.sum(up.to(tl.int32)), tl.sum(on.to(tl.int32))
