@@ -20,7 +20,10 @@ context parallelism, cp_prefill.md); parallel.kda_cp is its PyTorch reference.
   (SGLang's chunk_kda on bf16 inputs, the bf16 serving path), `served_summary_ms` their
   summaries (fla's chunk_kda_fwd_intra + chunk_cp_fwd_h, kda_backend.chunked_summary),
   `served_fused_summary_ms` the summaries of the fp32 serving path (one fused-recurrence run
-  on [v | 0] from [0 | I], kda_summary.summary_by_recurrence).
+  on [v | 0] from [0 | I], kda_summary.summary_by_recurrence). `served_plain_ms` is the
+  served layer without CP: the same chunk_kda call over all T tokens; the served layer's
+  speedup is taken against it, not against fla's `plain` (two different kernels).
+  --served-only skips fla's pieces and their ~200 s of compiling and autotuning.
 
 Model per KDA layer: t_cp(W) = local(W) + 2 summary(W) + fold(W) + all_gather(W), speedup
 = plain / t_cp. For the whole model's TTFT the other layers' prefill (sparse MLA, MoE,
@@ -33,7 +36,7 @@ folded from their summaries, equals `chunk_kda`'s final state over the whole seq
 the second half's outputs from that state equal the one-pass outputs (fp32 relative error).
 
     python benchmarks/cp_prefill_cost.py --out $OUT/cp_prefill_cost.json [--lengths 32768 65536 131072]
-        [--ranks 2 4 8] [--nvlink-GBps 450]
+        [--ranks 2 4 8] [--nvlink-GBps 450] [--served-only]
 
 Needs fla-core 0.6.0 on the GPU host: `pip download fla-core==0.6.0 --no-deps -d .device-bundle`
 before the call (the bootstrap installs every wheel in the bundle).
@@ -119,9 +122,12 @@ def check(T: int = 8192) -> dict:
             "second_half_outputs_rel_err": rel(o_second, o_full[:, half])}
 
 
-def measure(T: int, ranks: list[int]) -> dict:
+def measure(T: int, ranks: list[int], served_only: bool) -> dict:
+    case = {"tokens": T, "served_plain_ms": served_plain(T)}
+    if served_only:
+        return case | {f"W={W}": served(T, T // (2 * W)) for W in ranks}
     q, k, v, gate, beta = inputs(T)
-    case = {"tokens": T, "plain_ms": do_bench(lambda: kda(q, k, v, gate, beta), return_mode="median")}
+    case["plain_ms"] = do_bench(lambda: kda(q, k, v, gate, beta), return_mode="median")
     for W in ranks:
         L = T // (2 * W)
         mine = [q[:, :2 * L], k[:, :2 * L], v[:, :2 * L], gate[:, :2 * L], beta[:, :2 * L]]
@@ -140,15 +146,29 @@ def measure(T: int, ranks: list[int]) -> dict:
     return case
 
 
+def served_inputs(T: int, n: int):
+    """The first n tokens of inputs(T) as the served CP path holds them: fp32, q scaled."""
+    q, k, v, gate, beta = (t[0, :n].float() for t in inputs(T))
+    return q * K ** -0.5, k, v, gate, beta
+
+
+def served_plain(T: int) -> float:
+    """The served bf16 prefill of the layer without CP: SGLang's chunk_kda over all T tokens."""
+    from sglang_hybrid.layers.kda_backend import chunked_recurrence
+
+    q, k, v, gate, beta = served_inputs(T, T)
+    states = torch.zeros(1, H, K, V, device="cuda")
+    return do_bench(lambda: chunked_recurrence(q, k, v, gate, beta, states, [0, T]), return_mode="median")
+
+
 def served(T: int, L: int) -> dict:
-    """One chunk of L tokens through the served path's per-chunk kernels (see the docstring)."""
+    """A rank's two chunks of L tokens through the served path's kernels (see the docstring)."""
     from sglang_hybrid.layers.kda_backend import chunked_recurrence, chunked_summary, fused_recurrence
     from sglang_hybrid.parallel.kda_summary import summary_by_recurrence
 
-    q, k, v, gate, beta = (t[0, :2 * L].float() for t in inputs(T))
-    q = q * K ** -0.5
+    q, k, v, gate, beta = served_inputs(T, 2 * L)
     states, cu = torch.zeros(2, H, K, V, device="cuda"), [0, L, 2 * L]  # a rank's two chunks, one call
-    return {"served_chunk_ms": do_bench(lambda: chunked_recurrence(q, k, v, gate, beta, states, cu),
+    return {"chunk_tokens": L, "served_chunk_ms": do_bench(lambda: chunked_recurrence(q, k, v, gate, beta, states, cu),
                                         return_mode="median"),
             "served_summary_ms": do_bench(lambda: chunked_summary(k, v, gate, beta, cu), return_mode="median"),
             "served_fused_summary_ms": do_bench(lambda: summary_by_recurrence(fused_recurrence, k, v, gate, beta, cu),
@@ -157,24 +177,28 @@ def served(T: int, L: int) -> dict:
 
 def model(case: dict, nvlink_gbps: float, other_ms_per_token: float) -> dict:
     """TTFT terms per W (see the module docstring); all times in ms."""
-    T, plain = case["tokens"], case["plain_ms"]
-    out = {"W=1": {"kda_layer_ms": plain, "ttft_ms": KDA_LAYERS * plain + other_ms_per_token * T}}
+    T, plain = case["tokens"], case.get("plain_ms")
+    out = {"W=1": {"kda_layer_ms": plain, "served_kda_layer_ms": case["served_plain_ms"]}}
+    if plain is not None:
+        out["W=1"]["ttft_ms"] = KDA_LAYERS * plain + other_ms_per_token * T
     for key, r in case.items():
         if not key.startswith("W="):
             continue
         W = int(key[2:])
-        gather = (W - 1) * r["summary_bytes_per_rank"] / (nvlink_gbps * 1e6)  # ring all-gather, per rank
+        gather = (W - 1) * 2 * H * K * (V + K) * 4 / (nvlink_gbps * 1e6)  # ring all-gather of two summaries, per rank
+        # The layer as served: one call of the served kernels for the rank's two chunks' outputs, one for their
+        # summaries, against the served kernel over all T tokens.
+        served = r["served_chunk_ms"] + r["served_summary_ms"] + r.get("fold_ms", 0.0) + gather
+        out[key] = {"served_kda_layer_ms": served, "served_kda_layer_speedup": case["served_plain_ms"] / served}
+        if plain is None:
+            continue
         layer = r["local_ms"] + 2 * r["summary_ms"] + r["fold_ms"] + gather
         history = (W - 1) / W * T * SPARSE_BYTES_PER_TOKEN / (nvlink_gbps * 1e6)  # the rest of the history, per sparse layer
-        out[key] = {"kda_layer_ms": layer, "kda_layer_speedup": plain / layer, "kda_allgather_ms": gather,
+        out[key] |= {"kda_layer_ms": layer, "kda_layer_speedup": plain / layer, "kda_allgather_ms": gather,
                     "kda_cp_overhead_ms": 2 * r["summary_ms"] + r["fold_ms"] + gather,
                     "sparse_history_allgather_ms": history,
                     "ttft_ms": KDA_LAYERS * layer + SPARSE_LAYERS * history + other_ms_per_token * T / W}
         out[key]["ttft_speedup"] = out["W=1"]["ttft_ms"] / out[key]["ttft_ms"]
-        # The same layer as served today: one call of the served kernels for the rank's two chunks' outputs, one
-        # for their summaries.
-        served = r["served_chunk_ms"] + r["served_summary_ms"] + r["fold_ms"] + gather
-        out[key].update(served_kda_layer_ms=served, served_kda_layer_speedup=plain / served)
     return out
 
 
@@ -186,8 +210,10 @@ def main() -> None:
     ap.add_argument("--nvlink-GBps", type=float, default=450.0, help="per-direction NVLink bandwidth per GPU")
     ap.add_argument("--other-ms-per-token", type=float, default=0.0,
                     help="single-GPU prefill time per token of everything but the KDA recurrences (0: KDA only)")
+    ap.add_argument("--served-only", action="store_true", help="only the served kernels (no fla pieces, no check)")
     args = ap.parse_args()
-    results = {"device": torch.cuda.get_device_name(), "shape": dict(heads=H, k=K, v=V), "check": check(),
+    results = {"device": torch.cuda.get_device_name(), "shape": dict(heads=H, k=K, v=V),
+               "check": None if args.served_only else check(),
                "assumptions": dict(nvlink_GBps=args.nvlink_GBps, other_ms_per_token=args.other_ms_per_token,
                                    kda_layers=KDA_LAYERS, sparse_layers=SPARSE_LAYERS,
                                    sparse_bytes_per_token=SPARSE_BYTES_PER_TOKEN,
@@ -195,7 +221,7 @@ def main() -> None:
                "cases": []}
     print(json.dumps(results["check"]), flush=True)
     for T in args.lengths:
-        case = measure(T, args.ranks)
+        case = measure(T, args.ranks, args.served_only)
         case["model"] = model(case, args.nvlink_GBps, args.other_ms_per_token)
         results["cases"].append(case)
         print(json.dumps(case), flush=True)

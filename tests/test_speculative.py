@@ -230,16 +230,52 @@ def test_standalone_dense_draft_equals_golden_on_cpu(spec_server, tmp_path_facto
     assert 0 < accepted_total < proposed
 
 
+# bf16 serving picks a token by a margin smaller than its own rounding now and then: a
+# verify over 4 tokens and a 1-token decode round differently (other GEMM shapes, other
+# MoE routing near ties), so bf16 speculative and plain decoding may part at a near tie.
+# Measured over the tiny preset: bf16 against fp32 moves the served token's logprob by
+# 0.12-0.24 on average (test_gpu.py), so two bf16 paths may swap tokens this close.
+BF16_TIE_NATS = 0.5
+
+
+def _walk_against_plain_greedy(url: str, ids: list[int], spec_out: list[int]) -> list[float]:
+    """Check spec_out token by token against the plain server's greedy choice after the same
+    tokens: where they part, spec's token must be the plain server's second choice within
+    BF16_TIE_NATS; the walk then goes on from spec's token. Returns the margins where they
+    parted. A wrong KDA state or cache after a rejected draft yields tokens that are not
+    near-ties, and it persists, so every later position is checked too."""
+    margins, pos = [], 0
+    while pos < len(spec_out):
+        body = {"input_ids": ids + spec_out[:pos], "return_logprob": True, "top_logprobs_num": 2,
+                "sampling_params": {"max_new_tokens": len(spec_out) - pos, "temperature": 0, "ignore_eos": True}}
+        r = requests.post(url + "/generate", json=body, timeout=600)
+        r.raise_for_status()
+        plain, tops = r.json()["output_ids"], r.json()["meta_info"]["output_top_logprobs"]
+        part = next((j for j, t in enumerate(plain) if t != spec_out[pos + j]), None)
+        if part is None:
+            return margins
+        (lp1, first, _), (lp2, second, _) = tops[part][:2]
+        at = f"prompt of {len(ids)} tokens, output token {pos + part}"
+        assert first == plain[part] and second == spec_out[pos + part], \
+            f"{at}: speculative chose {spec_out[pos + part]}, not among the plain server's top 2 {first, second}"
+        assert lp1 - lp2 <= BF16_TIE_NATS, f"{at}: parted at a margin of {lp1 - lp2:.3f} nats"
+        margins.append(lp1 - lp2)
+        pos += part + 1
+    return margins
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="STANDALONE needs a GPU (the CPU refusal: test_server.py)")
 @pytest.mark.parametrize("scale", [0.0, 0.3])
-def test_standalone_dense_draft_equals_plain_decoding(tmp_path_factory, scale):
+def test_standalone_dense_draft_matches_plain_decoding(tmp_path_factory, scale):
     """SGLang's standalone mode: a separate dense draft model (maker.make_dense_draft, a
     Llama whose logits are the target's bigram logits) drafts on its own KV pool under the
     target's allocator, with SGLang's triton attention; the target verifies with state
     replay as for its own head. bf16, because SGLang's dense layers on CUDA (sgl-kernel's
-    RMSNorm, SiLU-and-mul, RoPE) do not take fp32; so the reference is the same target
-    served without speculation, not the fp32 golden model. At scale 0 the draft is the
-    target up to rounding and nearly every draft is accepted; at 0.3, some."""
+    RMSNorm, SiLU-and-mul, RoPE) do not take fp32, and one --dtype serves both models; so
+    the reference is the same target served without speculation, token for token except
+    at bf16 near-ties (_walk_against_plain_greedy); fp32 exactness against the golden
+    model is what the NEXTN tests above check. At scale 0 the draft is the target up to
+    rounding and nearly every draft is accepted; at 0.3, some."""
     from sglang_hybrid.checkpoints.maker import make_dense_draft
 
     checkpoint, _ = _checkpoint(tmp_path_factory, f"standalone_{scale}", near_bigram=scale)
@@ -250,15 +286,16 @@ def test_standalone_dense_draft_equals_plain_decoding(tmp_path_factory, scale):
     servers = [Server(checkpoint, os.path.join(log_dir, f"standalone_{scale}_{name}_server.log"), args)
                for name, args in (("spec", [*bf16, *spec]), ("plain", bf16))]
     try:
-        served, plain = (_generate_all(srv.wait_ready().url, PROMPTS) for srv in servers)
+        served = _generate_all(servers[0].wait_ready().url, PROMPTS)
+        url = servers[1].wait_ready().url
+        margins = [_walk_against_plain_greedy(url, ids, res["output_ids"]) for ids, res in zip(PROMPTS, served)]
     finally:
         for srv in servers:
             srv.stop()
-    for ids, res, ref in zip(PROMPTS, served, plain):
-        assert res["output_ids"] == ref["output_ids"], f"prompt of {len(ids)} tokens"
     accepted = sum(r["meta_info"]["spec_accepted_drafts"] for r in served)
     proposed = sum(r["meta_info"]["spec_proposed_drafts"] for r in served)
-    print(f"standalone scale {scale}: {accepted} of {proposed} drafts accepted")
+    print(f"standalone scale {scale}: {accepted} of {proposed} drafts accepted; "
+          f"near-tie partings (margin, nats) per prompt: {margins}")
     if scale == 0.0:
         assert accepted >= 0.9 * proposed, f"{accepted} of {proposed} drafts accepted"
     else:
