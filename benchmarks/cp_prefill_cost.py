@@ -23,7 +23,8 @@ context parallelism, cp_prefill.md); parallel.kda_cp is its PyTorch reference.
   on [v | 0] from [0 | I], kda_summary.summary_by_recurrence). `served_plain_ms` is the
   served layer without CP: the same chunk_kda call over all T tokens; the served layer's
   speedup is taken against it, not against fla's `plain` (two different kernels).
-  --served-only skips fla's pieces and their ~200 s of compiling and autotuning.
+  --served-only skips fla's pieces and their ~200 s of compiling and autotuning (and with
+  them the fold, 0.03-0.12 ms in run 61, left out of its served layer).
 
 Model per KDA layer: t_cp(W) = local(W) + 2 summary(W) + fold(W) + all_gather(W), speedup
 = plain / t_cp. For the whole model's TTFT the other layers' prefill (sparse MLA, MoE,
