@@ -3,6 +3,7 @@ chunk summaries against the plain sequential computation (fp32)."""
 
 from __future__ import annotations
 
+import functools
 import itertools
 
 import pytest
@@ -137,6 +138,50 @@ def test_gpu_recurrence_equals_the_reference(dtype, bound, lens):
              *zip(summary(k, v, decay, beta, cu), summary_by_recurrence(reference, k, v, decay, beta, cu))]
     errors = [_relative_error(got.float(), want) for got, want in pairs]
     assert max(errors) < bound, f"relative errors (o, finals, M, E): {errors}"
+
+
+def _stand_in_varlen_kernel(q, k, v, g, beta, scale, cu_seqlens, initial_state, initial_state_indices=None,
+                            use_qk_l2norm_in_kernel=False):
+    """SGLang's KDA kernels' varlen contract in PyTorch (they run on GPUs only): [1, T, ...]
+    inputs, contiguous, sequences at cu_seqlens, states [N, H, V, K], and chunk_kda's pool
+    (initial_state_indices) ended in place. Returns (o [1, T, H, V], final states)."""
+    assert all(t.is_contiguous() for t in (q, k, v, g, beta)) and q.shape[1] == int(cu_seqlens[-1])
+    slots = range(len(cu_seqlens) - 1) if initial_state_indices is None else initial_state_indices.tolist()
+    outs, finals = [], []
+    for n, slot in enumerate(slots):
+        s, e = int(cu_seqlens[n]), int(cu_seqlens[n + 1])
+        o, h = kda_recurrence(q[0, s:e].float() * scale, k[0, s:e].float(), v[0, s:e].float(), g[0, s:e],
+                              beta[0, s:e].float(), initial_state[slot].transpose(-1, -2))
+        outs.append(o.to(v.dtype))
+        finals.append(h.transpose(-1, -2))
+    if initial_state_indices is not None:
+        initial_state[initial_state_indices.long()] = torch.stack(finals)
+    return torch.cat(outs)[None], torch.stack(finals)
+
+
+@pytest.mark.parametrize("wrapper, kernel", [("fused_recurrence", "fused_recurrent_kda"),
+                                             ("chunked_recurrence", "chunk_kda")])
+def test_gpu_recurrence_wrappers_place_rows_and_states(wrapper, kernel, monkeypatch):
+    """kda_backend's own part of the GPU recurrences, on CPU: every non-empty sequence's rows
+    in one varlen call (an empty one skipped, its state passed through), states to the
+    kernels' [H, V, K] layout and back, outputs put back in row order. The kernel is stood in
+    by the reference under its calling convention; the GPU tests above run the real ones."""
+    import sglang.kernels.ops.attention.fla.kda as sglang_kda
+
+    from sglang_hybrid.layers import kda_backend
+
+    monkeypatch.setattr(sglang_kda, kernel, _stand_in_varlen_kernel)
+    lens = [7, 0, 12, 1]
+    cu = [0, *itertools.accumulate(lens)]
+    q, k, v, decay, beta = _kda_inputs(cu[-1])
+    states = torch.randn(len(lens), 2, 8, 4, generator=torch.Generator().manual_seed(5))
+    run = getattr(kda_backend, wrapper)
+    if wrapper == "chunked_recurrence":
+        run = functools.partial(run, dtype=torch.float32)  # bf16 rounding is the kernel's, not the plumbing's
+    got = run(q, k, torch.cat([v, v], -1)[..., :4], decay, beta, states, cu)  # v a strided view, as split from qkv
+    want = each_sequence(kda_recurrence)(q, k, v, decay, beta, states, cu)
+    for g, w in zip(got, want):
+        assert torch.allclose(g, w, atol=1e-6), (g - w).abs().max()
 
 
 @pytest.mark.gpu

@@ -135,8 +135,10 @@ def _nonempty(cu: list[int]) -> tuple[list[int], list[int]]:
     return keep, [0] + list(itertools.accumulate(cu[n + 1] - cu[n] for n in keep))
 
 
-def _rows(cu: list[int], keep: list[int], device) -> torch.Tensor:
-    return torch.cat([torch.arange(cu[n], cu[n + 1], device=device) for n in keep])
+def _span(cu: list[int]) -> slice:
+    """All of cu's rows. Its sequences are consecutive and an empty one has no rows, so the
+    kept sequences' rows are one slice: a view, where a gather would copy every input."""
+    return slice(cu[0], cu[-1])
 
 
 def fused_recurrence(q, k, v, g, beta, states, cu):
@@ -150,12 +152,13 @@ def fused_recurrence(q, k, v, g, beta, states, cu):
     o, finals = v.new_zeros(v.shape), states.float().clone()
     if not keep:
         return o, finals
-    rows = _rows(cu, keep, q.device)
+    rows = _span(cu)
     out, final = fused_recurrent_kda(
-        q=q[rows][None], k=k[rows][None], v=v[rows][None], g=g[rows][None], beta=beta[rows][None], scale=1.0,
+        q=q[None, rows].contiguous(), k=k[None, rows].contiguous(), v=v[None, rows].contiguous(),
+        g=g[None, rows].contiguous(), beta=beta[None, rows].contiguous(), scale=1.0,
         initial_state=finals[keep].transpose(-1, -2).contiguous(), use_qk_l2norm_in_kernel=False,
         cu_seqlens=torch.tensor(offsets, dtype=torch.long, device=q.device))
-    o[rows], finals[keep] = out[0].to(o.dtype), final.float().transpose(-1, -2)
+    o[rows], finals[keep] = out[0], final.float().transpose(-1, -2)
     return o, finals
 
 
@@ -171,14 +174,15 @@ def chunked_recurrence(q, k, v, g, beta, states, cu, dtype=torch.bfloat16):
     o, finals = v.new_zeros(v.shape), states.float().clone()
     if not keep:
         return o, finals
-    rows = _rows(cu, keep, q.device)
+    rows = _span(cu)
     pool = finals[keep].transpose(-1, -2).contiguous()  # a slot [H, V, K] per sequence; the kernel ends them in place
-    out = chunk_kda(q=q[rows][None].to(dtype), k=k[rows][None].to(dtype), v=v[rows][None].to(dtype),
-                    g=g[rows][None].float().contiguous(), beta=beta[rows][None].to(dtype), scale=1.0,
+    out = chunk_kda(q=q[None, rows].to(dtype).contiguous(), k=k[None, rows].to(dtype).contiguous(),
+                    v=v[None, rows].to(dtype).contiguous(), g=g[None, rows].float().contiguous(),
+                    beta=beta[None, rows].to(dtype).contiguous(), scale=1.0,
                     initial_state=pool, initial_state_indices=torch.arange(len(keep), dtype=torch.int32,
                                                                            device=q.device),
                     cu_seqlens=torch.tensor(offsets, dtype=torch.int32, device=q.device))
-    o[rows], finals[keep] = out[0].to(o.dtype), pool.transpose(-1, -2)
+    o[rows], finals[keep] = out[0], pool.transpose(-1, -2)
     return o, finals
 
 
@@ -200,14 +204,14 @@ def chunked_summary(k, v, g, beta, cu, dtype=torch.bfloat16):
     hm = torch.zeros(len(cu) - 1, H, K, V + K, device=k.device, dtype=torch.float32)
     hm[..., V:] = torch.eye(K, device=k.device)  # an empty sequence maps its state to itself
     if keep:
-        rows = _rows(cu, keep, k.device)
+        rows = _span(cu)
         lens = torch.tensor(offsets, device=k.device, dtype=torch.long)
         indices = prepare_chunk_indices(lens, 64)
-        gk = chunk_local_cumsum(g=g[rows][None].float().contiguous(), scale=RCP_LN2, chunk_size=64, cu_seqlens=lens,
+        gk = chunk_local_cumsum(g=g[None, rows].float().contiguous(), scale=RCP_LN2, chunk_size=64, cu_seqlens=lens,
                                 chunk_indices=indices)  # fla's kernels take log2 decays, cumulated per 64 tokens
-        keys = k[rows][None].to(dtype).contiguous()
-        w, u, _, kg, _, _ = chunk_kda_fwd_intra(q=keys, k=keys, v=v[rows][None].to(dtype).contiguous(), gk=gk,
-                                                beta=beta[rows][None].to(dtype).contiguous(), scale=1.0,
+        keys = k[None, rows].to(dtype).contiguous()
+        w, u, _, kg, _, _ = chunk_kda_fwd_intra(q=keys, k=keys, v=v[None, rows].to(dtype).contiguous(), gk=gk,
+                                                beta=beta[None, rows].to(dtype).contiguous(), scale=1.0,
                                                 cu_seqlens=lens, chunk_size=64, chunk_indices=indices)
         part = hm.new_zeros(len(keep), H, K, V + K)
         chunk_cp_fwd_h(k=kg, w=w, u=u, hm=part, gk=gk, cu_seqlens=lens, chunk_size=64, multi_seqs=True)
