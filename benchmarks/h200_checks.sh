@@ -165,6 +165,12 @@ part() {
              timeout 540 python3 benchmarks/cp_prefill_cost.py --out "$OUT/cp-cost/cp_prefill_cost.json" \
                > "$OUT/cp-cost/log.txt" 2>&1
              echo "cp-cost: rc=$?"; tail -4 "$OUT/cp-cost/log.txt" | cut -c1-400 ;;
+    # The served kernels only, with the served layer's own plain prefill (SGLang's chunk_kda over T) as
+    # the baseline; skips fla's pieces and the check (cp_prefill_cost.py --served-only).
+    cp-served) mkdir -p "$OUT/cp-served"
+             timeout 300 python3 benchmarks/cp_prefill_cost.py --served-only --lengths 32768 131072 \
+               --out "$OUT/cp-served/cp_prefill_cost_served.json" > "$OUT/cp-served/log.txt" 2>&1
+             echo "cp-served: rc=$?"; tail -3 "$OUT/cp-served/log.txt" | cut -c1-400 ;;
     # Issue 4/7: each CP rank's sparse-layer time (indexer + sparse MLA over its rows), zigzag vs contiguous.
     cp-rank-time) mkdir -p "$OUT/cp-rank-time"
              timeout 300 python3 benchmarks/cp_rank_time.py --out "$OUT/cp-rank-time/cp_rank_time.json" \
