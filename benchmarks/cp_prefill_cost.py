@@ -53,6 +53,7 @@ from triton.testing import do_bench
 
 H, K, V = 32, 128, 128  # the bench preset's KDA layer
 KDA_LAYERS, SPARSE_LAYERS = 20, 7  # of the bench preset's 27
+SUMMARY_BYTES_PER_RANK = 2 * H * K * (V + K) * 4  # a rank's two chunk summaries [H, K, V + K], fp32
 SPARSE_BYTES_PER_TOKEN = 128 + 128 // 32 + 576 * 2  # MXFP8 index-K + its scales, bf16 latent KV (per sparse layer)
 
 
@@ -135,13 +136,12 @@ def measure(T: int, ranks: list[int], served_only: bool) -> dict:
         cu = torch.tensor([0, L, 2 * L], device="cuda", dtype=torch.long)
         h0 = torch.zeros(2, H, K, V, device="cuda", dtype=torch.float32)
         chain = torch.randn(2 * W, H, K, V + K, device="cuda") * 0.01  # values do not change the time
-        hm, one = summaries(*mine, cu)
+        _, one = summaries(*mine, cu)
         case[f"W={W}"] = {
-            "chunk_tokens": L,
             "local_ms": do_bench(lambda: kda(*mine, cu=cu, h0=h0), return_mode="median"),
             "summary_ms": do_bench(lambda: one(0), return_mode="median"),
             "fold_ms": do_bench(lambda: fold(chain, 2 * W - 1), return_mode="median"),
-            "summary_bytes_per_rank": 2 * hm[0].numel() * 4,
+            "summary_bytes_per_rank": SUMMARY_BYTES_PER_RANK,
             **served(T, L),
         }
     return case
@@ -186,7 +186,7 @@ def model(case: dict, nvlink_gbps: float, other_ms_per_token: float) -> dict:
         if not key.startswith("W="):
             continue
         W = int(key[2:])
-        gather = (W - 1) * 2 * H * K * (V + K) * 4 / (nvlink_gbps * 1e6)  # ring all-gather of two summaries, per rank
+        gather = (W - 1) * SUMMARY_BYTES_PER_RANK / (nvlink_gbps * 1e6)  # ring all-gather, per rank
         # The layer as served: one call of the served kernels for the rank's two chunks' outputs, one for their
         # summaries, against the served kernel over all T tokens.
         served = r["served_chunk_ms"] + r["served_summary_ms"] + r.get("fold_ms", 0.0) + gather
