@@ -39,8 +39,8 @@ the second half's outputs from that state equal the one-pass outputs (fp32 relat
     python benchmarks/cp_prefill_cost.py --out $OUT/cp_prefill_cost.json [--lengths 32768 65536 131072]
         [--ranks 2 4 8] [--nvlink-GBps 450] [--served-only]
 
-Needs fla-core 0.6.0 on the GPU host: `pip download fla-core==0.6.0 --no-deps -d .device-bundle`
-before the call (the bootstrap installs every wheel in the bundle).
+Needs fla-core 0.6.0 on the GPU host, as serving does (a dependency): `pip download fla-core==0.6.0
+--no-deps -d .device-bundle` before the call (the bootstrap installs every wheel in the bundle).
 """
 
 from __future__ import annotations

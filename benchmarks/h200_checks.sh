@@ -159,7 +159,7 @@ part() {
     timing-small-batch) timing timing-small-batch 250 --indexer-only --case decode:1x4096 --case decode:1x32768 \
                   --case decode:8x32768 --case decode:1x131072 --case decode:32x131072 --case decode:64x131072 ;;
     # Issue 4: the KDA layer's CP costs (summary, fold, local prefill, the served kernels) against its
-    # plain prefill; needs fla-core in the bundle (benchmarks/cp_prefill_cost.py says how). Alone in a
+    # plain prefill; fla-core must be in the bundle (README, Test). Alone in a
     # call: fla's kernels compile and autotune for ~200 s before the first case (runs 44, 45).
     cp-cost) mkdir -p "$OUT/cp-cost"
              timeout 540 python3 benchmarks/cp_prefill_cost.py --out "$OUT/cp-cost/cp_prefill_cost.json" \
