@@ -10,8 +10,8 @@ time, on a server whose pools force eviction; every answer is checked against th
 model (GoldenCheck: exact, or explained by one of the golden indexer's near ties). Each
 answer that differs from the golden model's own greedy continuation is appended to
 $STRESS_LOG (default /tmp/stress_radix_eviction.jsonl) with its prompt, output and cached
-tokens, for replay. `STRESS_ARGS="--mamba-track-interval 16"` makes decode snapshot
-boundaries four times as frequent as the CI test's. `STRESS_NEAR_BIGRAM=0` serves a
+tokens, for replay. `STRESS_ARGS` adds server arguments (`--mamba-track-interval 64` makes decode
+snapshot boundaries a quarter as frequent as the CI test's, one a page). `STRESS_NEAR_BIGRAM=0` serves a
 near-bigram checkpoint (`make-checkpoint --near-bigram`) whose draft head always agrees with
 the target: with speculative arguments in STRESS_ARGS, accepted runs then cross decode
 snapshot boundaries. What it found, and the fix (a decode

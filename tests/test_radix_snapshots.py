@@ -6,7 +6,8 @@ slots (mem_cache.sparse_mla_pool), so the radix tree keeps them with the prefix.
 architecture is served with SGLang's extra_buffer snapshots (plugin.py): the state at
 the last mamba_cache_chunk_size-aligned point (64 tokens here) of each prefill chunk,
 at the branch point when a request diverges inside a cached prefix, and every
---mamba-track-interval decode tokens. A request resumes from the deepest prefix that
+--mamba-track-interval decode tokens, so at a request's end its last whole page when the
+interval is the page size (the paged server). A request resumes from the deepest prefix that
 has one. Warm must equal cold: every continuation is checked against the golden model,
 and how deep each request reused against that policy.
 """
@@ -28,7 +29,7 @@ pytestmark = pytest.mark.slow
 
 CHUNK = 64  # mamba_cache_chunk_size: fla's chunk, and a multiple of both servers' pages
 PAGED_POOL_TOKENS = 1536
-PAGED_SERVER_ARGS = ["--page-size", "16", "--mamba-track-interval", "64", "--chunked-prefill-size", "128",
+PAGED_SERVER_ARGS = ["--page-size", "16", "--mamba-track-interval", "16", "--chunked-prefill-size", "128",
                      "--max-total-tokens", str(PAGED_POOL_TOKENS), "--max-mamba-cache-size", "16"]
 
 
@@ -67,7 +68,7 @@ def eviction_workload(url, seed):
 
 @pytest.fixture(scope="module")
 def paged_server(checkpoint, tmp_path_factory):
-    """Pages of 16 tokens, decode snapshots every 64, and pools small enough that a
+    """Pages of 16 tokens, decode snapshots at every page, and pools small enough that a
     workload of a few thousand distinct tokens must evict prefixes and states."""
     log_dir = os.environ.get("SGLANG_HYBRID_TEST_LOGS") or str(tmp_path_factory.mktemp("logs"))
     gpu = GPU_SERVER_ARGS[:GPU_SERVER_ARGS.index("--chunked-prefill-size")] if torch.cuda.is_available() else []
@@ -134,16 +135,19 @@ def check_repeat_branch_and_mid_chunk_reuse(server, check):
 
 def test_paged_prefill_chunks_and_decode_snapshots_serve_the_next_turn(paged_server, check):
     """With pages of 16 and 128-token prefill chunks, every chunk leaves a snapshot (128,
-    then 192 = 128 + the last whole 64 of the second chunk); decode leaves one at 256.
-    The second turn resumes at 256, the first turn's branch at 192."""
+    then 192 = 128 + the last whole 64 of the second chunk); decode, one at every page
+    (--mamba-track-interval 16), so the first turn ends with one at its last whole page: 272
+    of the 279 tokens it ran (200 + 80 answered, the last never fed back). The second turn
+    resumes there, as deep as the KV cache keeps a finished request; the first turn's
+    branch at 192."""
     rng = random.Random(51)
     prompt = _tokens(rng, 200)
-    first, hit = _generate(paged_server.url, prompt, 64)
+    first, hit = _generate(paged_server.url, prompt, 80)
     assert hit == 0
     check.greedy(prompt, first)
     turn2 = prompt + first + _tokens(rng, 5)
     out, hit = _generate(paged_server.url, turn2, 32)
-    assert hit == 256
+    assert hit == 272
     check.greedy(turn2, out)
     branch = prompt[:195] + _tokens(rng, 30)
     out, hit = _generate(paged_server.url, branch, 16)

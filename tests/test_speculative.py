@@ -313,8 +313,8 @@ def test_low_acceptance_falls_back_to_plain_decoding(spec_server, checkpoint, go
 
 
 def test_decode_snapshots_under_speculation_hold_committed_tokens_only(spec_server, tmp_path_factory):
-    """Prefix reuse after speculative decoding: with decode snapshots every 64 tokens, the
-    verify whose accepted tokens cross 256 leaves the state at exactly 256 in the radix cache
+    """Prefix reuse after speculative decoding: with decode snapshots at every page (16
+    tokens), the verify whose accepted tokens cross 256, the last page the first turn reaches, leaves the state at exactly 256 in the radix cache
     (the accepted step's, from SGLang's per-step scratch; never a rejected draft's). The next
     turn resumes there and still equals the golden model."""
     from test_radix_snapshots import PAGED_SERVER_ARGS
