@@ -250,7 +250,8 @@ def _walk_against_plain_greedy(url: str, ids: list[int], spec_out: list[int]) ->
                 "sampling_params": {"max_new_tokens": len(spec_out) - pos, "temperature": 0, "ignore_eos": True}}
         r = requests.post(url + "/generate", json=body, timeout=600)
         r.raise_for_status()
-        plain, tops = r.json()["output_ids"], r.json()["meta_info"]["output_top_logprobs"]
+        res = r.json()
+        plain, tops = res["output_ids"], res["meta_info"]["output_top_logprobs"]
         part = next((j for j, t in enumerate(plain) if t != spec_out[pos + j]), None)
         if part is None:
             return margins
@@ -314,9 +315,10 @@ def test_low_acceptance_falls_back_to_plain_decoding(spec_server, checkpoint, go
 
 def test_decode_snapshots_under_speculation_hold_committed_tokens_only(spec_server, tmp_path_factory):
     """Prefix reuse after speculative decoding: with decode snapshots at every page (16
-    tokens), the verify whose accepted tokens cross 256, the last page the first turn reaches, leaves the state at exactly 256 in the radix cache
-    (the accepted step's, from SGLang's per-step scratch; never a rejected draft's). The next
-    turn resumes there and still equals the golden model."""
+    tokens), the verify whose accepted tokens cross 256, the last page the first turn
+    reaches, leaves the state at exactly 256 in the radix cache (the accepted step's, from
+    SGLang's per-step scratch; never a rejected draft's). The next turn resumes there and
+    still equals the golden model."""
     from test_radix_snapshots import PAGED_SERVER_ARGS
 
     checkpoint, golden = _checkpoint(tmp_path_factory, "near_bigram_track", near_bigram=0.3)
