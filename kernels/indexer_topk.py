@@ -265,7 +265,9 @@ def _split_len(history: int, kp: int, programs: int, target: int) -> int:
 # KP keys, 8 bits a round from the highest bit on which the row's keys differ, then each
 # selected key placed at its rank. The first round (over every key) runs one program per
 # chunk of a row; the rest (over the keys on the first round's boundary digit, usually a
-# few percent) one program per row.
+# few percent) one program per row. A rank is counted within the key's bucket (its digit
+# of the top 8 bits on which the selected keys differ), not over all K keys: all pairs
+# made the rank step rows x K^2 (0.24 ms for 64 rows at K = 2048, run 58).
 
 @triton.jit
 def _digit(key, shift):
@@ -351,13 +353,15 @@ def _chunk_split_kernel(part_ptr, stats_ptr, hist_ptr, sel_ptr, rest_ptr, N, TOP
 
 
 @triton.jit
-def _select_rest_kernel(stats_ptr, hist_ptr, rest_ptr, sel_ptr, need_ptr, N, C, TOPK,
+def _select_rest_kernel(stats_ptr, hist_ptr, rest_ptr, sel_ptr, bucket_ptr, need_ptr, N, C, TOPK,
                         BLOCK: tl.constexpr, C_POW2: tl.constexpr, GPU: tl.constexpr):
     """One program per row: the rounds after the first, over the candidates on its
     boundary digit (rest[row, :n]). A round histograms their next digit, sends those above
     the new boundary digit to sel and keeps those on it, in place at the front of rest; the
     round whose digit ends exactly at the need-th best sends that digit's keys too and is
-    the last (keys are unique, so one comes by bit 0)."""
+    the last (keys are unique, so one comes by bit 0). Then it groups the selected keys by
+    digit for _rank_kernel: into rest, bucket [row, 0] = where each digit's keys start,
+    bucket [row, 1] = where they end; need [row] = (need, the buckets' digit shift)."""
     NONE: tl.constexpr = -9223372036854775807 - 1
     row = tl.program_id(0).to(tl.int64)
     shift, need = _row_start(stats_ptr, row, C, TOPK, C_POW2)
@@ -392,26 +396,58 @@ def _select_rest_kernel(stats_ptr, hist_ptr, rest_ptr, sel_ptr, need_ptr, N, C, 
         n = tl.max(_after_barrier(kept + tl.zeros([1], tl.int32), GPU), axis=0)
         left -= above
         going = (~last) & (left > 0) & (shift > -8)  # a round at shift -8 would read no bit
-    tl.store(need_ptr + row, need)
+    # Buckets for the ranks: the selected keys grouped by their digit of the top 8 bits on
+    # which they differ, highest digit first, into rest (its candidates are spent). A key's
+    # rank is then the keys on higher digits plus those above it on its own.
+    need = tl.max(_after_barrier(need + tl.zeros([1], tl.int32), GPU), axis=0)  # sel holds this block's stores
+    kmax = tl.full([], -9223372036854775807 - 1, tl.int64)
+    kmin = tl.full([], 9223372036854775807, tl.int64)
+    for c in range(0, need, BLOCK):
+        key = tl.load(dst + c + offs, mask=c + offs < need, other=NONE, cache_modifier=".cg")
+        kmax = tl.maximum(kmax, tl.max(key))
+        kmin = tl.minimum(kmin, tl.min(tl.where(c + offs < need, key, 9223372036854775807)))
+    bucket_shift = (tl.sum(((kmin ^ kmax) >> tl.arange(0, 64).to(tl.int64) != 0).to(tl.int32)) - 8).to(tl.int64)
+    hist = tl.zeros([256], tl.int32)
+    for c in range(0, need, BLOCK):
+        key = tl.load(dst + c + offs, mask=c + offs < need, other=NONE, cache_modifier=".cg")
+        hist += tl.histogram(_digit(key, bucket_shift).to(tl.int32), 256, mask=c + offs < need)
+    start = need - tl.cumsum(hist, 0)  # keys on higher digits: where the digit's bucket starts
+    bins = tl.arange(0, 256)
+    tl.store(bucket_ptr + row * 512 + bins, start)
+    tl.store(bucket_ptr + row * 512 + 256 + bins, start)  # the scatter's cursors: each ends at its bucket's end
+    ready = tl.max(_after_barrier(tl.max(start) + tl.zeros([1], tl.int32), GPU), axis=0)
+    for c in range(0, need, BLOCK):
+        real = (c + offs < need) & (ready >= 0)
+        key = tl.load(dst + c + offs, mask=real, other=NONE, cache_modifier=".cg")
+        at = tl.atomic_add(bucket_ptr + row * 512 + 256 + _digit(key, bucket_shift), 1, mask=real)
+        tl.store(src + at, key, mask=real)
+    tl.store(need_ptr + row * 2, need.to(tl.int64))
+    tl.store(need_ptr + row * 2 + 1, bucket_shift)
 
 
 @triton.jit
-def _rank_kernel(sel_ptr, need_ptr, idx_ptr, score_ptr, TOPK, BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr):
-    """Program (row, j): each of the row's selected keys sel[row, j * BLOCK_A ...] goes to
-    its rank (how many selected keys are greater; keys are unique), as a position and
-    its score; slots past need get -1 and -inf. No sort: ranks are counts, and a row's
-    Top-K spreads over TOPK / BLOCK_A programs."""
+def _rank_kernel(grouped_ptr, bucket_ptr, need_ptr, idx_ptr, score_ptr, N, TOPK, BLOCK_A: tl.constexpr,
+                 BLOCK_B: tl.constexpr):
+    """Program (row, j): each of the row's selected keys grouped[row, j * BLOCK_A ...] (by
+    digit, highest first; _select_rest_kernel) goes to its rank, as a position and its
+    score; slots past need get -1 and -inf. The rank is a count, no sort: the keys on higher
+    digits (where the key's bucket starts) plus the keys of its own bucket greater than it
+    (keys are unique). The block's keys are consecutive, so they read one span of buckets."""
     NONE: tl.constexpr = -9223372036854775807 - 1
     row = tl.program_id(0).to(tl.int64)
-    need = tl.load(need_ptr + row)
+    need = tl.load(need_ptr + row * 2).to(tl.int32)
+    shift = tl.load(need_ptr + row * 2 + 1)
     offs_a = tl.program_id(1) * BLOCK_A + tl.arange(0, BLOCK_A)
     offs_b = tl.arange(0, BLOCK_B)
-    a = tl.load(sel_ptr + row * TOPK + offs_a, mask=offs_a < need, other=NONE)
-    rank = tl.zeros([BLOCK_A], tl.int32)
-    for c in range(0, need, BLOCK_B):
-        b = tl.load(sel_ptr + row * TOPK + c + offs_b, mask=c + offs_b < need, other=NONE)
-        rank += tl.sum((b[None, :] > a[:, None]).to(tl.int32), axis=1)
     found = offs_a < need
+    a = tl.load(grouped_ptr + row * N + offs_a, mask=found, other=NONE)
+    digit = _digit(a, shift)
+    first = tl.load(bucket_ptr + row * 512 + digit, mask=found, other=0)  # the key's bucket: [first, end)
+    end = tl.load(bucket_ptr + row * 512 + 256 + digit, mask=found, other=0)
+    rank = first
+    for c in range(tl.min(tl.where(found, first, need)), tl.max(end), BLOCK_B):
+        b = tl.load(grouped_ptr + row * N + c + offs_b, mask=c + offs_b < need, other=NONE)
+        rank += tl.sum(((b[None, :] > a[:, None]) & (c + offs_b[None, :] >= first[:, None])).to(tl.int32), axis=1)
     ordered = (a >> 32).to(tl.int32)
     score = tl.where(ordered >= 0, ordered, ordered ^ 0x7FFFFFFF).to(tl.float32, bitcast=True)
     at = tl.where(found, rank, offs_a)
@@ -449,14 +485,15 @@ def order_keys(part: torch.Tensor, topk: int) -> tuple[torch.Tensor, torch.Tenso
     hist = torch.zeros(R, 258, dtype=torch.int32, device=part.device)  # 256 bins, then the split's two counters
     sel = torch.empty(R, topk, dtype=torch.int64, device=part.device)
     rest = torch.empty_like(part)
-    need = torch.empty(R, dtype=torch.int32, device=part.device)
+    bucket = torch.empty(R, 2, 256, dtype=torch.int32, device=part.device)  # per digit: first slot, end
+    need = torch.empty(R, 2, dtype=torch.int64, device=part.device)  # need, and the buckets' digit shift
     _chunk_stats_kernel[(R, C)](part, stats, N, BLOCK=block, num_warps=8)
     _chunk_histogram_kernel[(R, C)](part, stats, hist, N, topk, BLOCK=block, C_POW2=c_pow2, num_warps=8)
     _chunk_split_kernel[(R, C)](part, stats, hist, sel, rest, N, topk, BLOCK=block, C_POW2=c_pow2, num_warps=8)
-    _select_rest_kernel[(R,)](stats, hist, rest, sel, need, N, C, topk, BLOCK=1024, C_POW2=c_pow2,
+    _select_rest_kernel[(R,)](stats, hist, rest, sel, bucket, need, N, C, topk, BLOCK=1024, C_POW2=c_pow2,
                               GPU=not isinstance(_select_rest_kernel, InterpretedFunction), num_warps=8)
     block_a = min(128, triton.next_power_of_2(topk))
-    _rank_kernel[(R, triton.cdiv(topk, block_a))](sel, need, idx, scores, topk, BLOCK_A=block_a,
+    _rank_kernel[(R, triton.cdiv(topk, block_a))](rest, bucket, need, idx, scores, N, topk, BLOCK_A=block_a,
                                                    BLOCK_B=block_a, num_warps=4)
     return idx, scores
 

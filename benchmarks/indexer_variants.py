@@ -1,0 +1,94 @@
+"""Versions of the fused indexer side by side on one GPU: a same-machine A/B (GPU only).
+
+Timings taken on different machines of one kind differed by 10-30% at small batch (run 60
+against run 58), more than the change being judged. This loads each given copy of
+kernels/indexer_topk.py as its own module and times them on the same inputs, in the same
+process, with the unfused path (sparse_path_timing.unfused_indexer) as the common baseline.
+Each variant's selection must equal the first's (all are exact).
+
+    cp kernels/indexer_topk.py /tmp/new.py; git show main~1:kernels/indexer_topk.py > /tmp/old.py
+    python benchmarks/indexer_variants.py --variant old=/tmp/old.py --variant new=/tmp/new.py \
+        --variant new-unbounded=/tmp/new.py@unbounded --case decode:1x32768 --out $OUT/ab.json
+
+A path ending in @unbounded loads that file with ORDER_KEYS_WORK lifted, so every batch
+orders with order_keys instead of torch.topk. Decode only (CUDA-graph medians, BF16, 4
+warps); the variants are timed in order, then again in reverse order, and both are kept.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import sys
+
+import torch
+from triton.testing import do_bench_cudagraph
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from sparse_path_timing import D, HI, TOPK, hbm_copy_gbps, paged_history, parse_case, unfused_indexer  # noqa: E402
+
+
+def load_variant(spec: str):
+    """'name=path[@unbounded]' -> (name, the module loaded from path)."""
+    name, _, path = spec.partition("=")
+    path, _, flag = path.partition("@")
+    loader = importlib.util.spec_from_file_location(f"indexer_variant_{name.replace('-', '_')}", path)
+    module = importlib.util.module_from_spec(loader)
+    loader.loader.exec_module(module)
+    if flag == "unbounded":
+        module.ORDER_KEYS_WORK = float("inf")
+    elif flag:
+        raise SystemExit(f"unknown flag @{flag} in --variant {spec}")
+    return name, module
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--variant", action="append", required=True, metavar="NAME=PATH[@unbounded]")
+    ap.add_argument("--case", action="append", required=True, metavar="decode:BATCHxHISTORY")
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    variants = [load_variant(v) for v in args.variant]
+    g = torch.Generator(device="cuda").manual_seed(0)
+    bw = hbm_copy_gbps()
+    results = {"device": torch.cuda.get_device_name(), "hbm_copy_GBps": bw, "variants": args.variant, "cases": []}
+    for kind, reqs, length in map(parse_case, args.case):
+        if kind != "decode":
+            raise SystemExit(f"decode cases only, got {kind}")
+        k, table = paged_history(reqs, length, D, g)
+        q = torch.randn(reqs, HI, D, device="cuda", generator=g, dtype=torch.bfloat16)
+        w = torch.randn(reqs, HI, device="cuda", generator=g)
+        row_req = torch.arange(reqs, device="cuda", dtype=torch.int32)
+        row_len = torch.full((reqs,), length, device="cuda", dtype=torch.int32)
+        byte_floor_ms = (reqs * length * D * 2 + q.numel() * 2) / bw / 1e6
+        case = {"requests": reqs, "history": length, "byte_floor_ms": byte_floor_ms}
+
+        def time(module):
+            return do_bench_cudagraph(lambda: module.indexer_topk(q, w, k, table, row_req, row_len, TOPK),
+                                      return_mode="median")
+
+        first = variants[0][1].indexer_topk(q, w, k, table, row_req, row_len, TOPK)
+        for name, module in variants:
+            case[f"same_as_{variants[0][0]}[{name}]"] = bool(torch.equal(
+                module.indexer_topk(q, w, k, table, row_req, row_len, TOPK), first))
+        for order in (variants, variants[::-1]):
+            for name, module in order:
+                case.setdefault(f"fused_ms[{name}]", []).append(time(module))
+        case["unfused_ms"] = do_bench_cudagraph(
+            lambda: unfused_indexer(q, w, k, table, row_req, row_len, TOPK, one_request=False), return_mode="median")
+        for name, _ in variants:
+            best = min(case[f"fused_ms[{name}]"])
+            case[f"speedup_vs_unfused[{name}]"] = case["unfused_ms"] / best
+            case[f"fraction_of_hbm[{name}]"] = byte_floor_ms / best
+        del k, q
+        torch.cuda.empty_cache()
+        results["cases"].append(case)
+        print(json.dumps(case), flush=True)
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
