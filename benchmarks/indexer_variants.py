@@ -8,10 +8,10 @@ Each variant's selection must equal the first's (all are exact).
 
     cp kernels/indexer_topk.py /tmp/new.py; git show main~1:kernels/indexer_topk.py > /tmp/old.py
     python benchmarks/indexer_variants.py --variant old=/tmp/old.py --variant new=/tmp/new.py \
-        --variant new-unbounded=/tmp/new.py@unbounded --case decode:1x32768 --out $OUT/ab.json
+        --variant new-buckets=/tmp/new.py@ORDER_KEYS_WORK=0 --case decode:1x32768 --out $OUT/ab.json
 
-A path ending in @unbounded loads that file with ORDER_KEYS_WORK lifted, so every batch
-orders with order_keys instead of torch.topk. Decode only (CUDA-graph medians, BF16, 4
+A path ending in @NAME=VALUE loads that file with the module constant NAME set to VALUE
+(a number). Decode only (CUDA-graph medians, BF16, 4
 warps); the variants are timed in order, then again in reverse order, and both are kept.
 """
 
@@ -31,22 +31,23 @@ from sparse_path_timing import D, HI, TOPK, hbm_copy_gbps, paged_history, parse_
 
 
 def load_variant(spec: str):
-    """'name=path[@unbounded]' -> (name, the module loaded from path)."""
+    """'name=path[@CONSTANT=VALUE]' -> (name, the module loaded from path)."""
     name, _, path = spec.partition("=")
-    path, _, flag = path.partition("@")
+    path, _, setting = path.partition("@")
     loader = importlib.util.spec_from_file_location(f"indexer_variant_{name.replace('-', '_')}", path)
     module = importlib.util.module_from_spec(loader)
     loader.loader.exec_module(module)
-    if flag == "unbounded":
-        module.ORDER_KEYS_WORK = float("inf")
-    elif flag:
-        raise SystemExit(f"unknown flag @{flag} in --variant {spec}")
+    if setting:
+        constant, _, value = setting.partition("=")
+        if not hasattr(module, constant):
+            raise SystemExit(f"{path} has no constant {constant} (--variant {spec})")
+        setattr(module, constant, float(value))
     return name, module
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--variant", action="append", required=True, metavar="NAME=PATH[@unbounded]")
+    ap.add_argument("--variant", action="append", required=True, metavar="NAME=PATH[@CONSTANT=VALUE]")
     ap.add_argument("--case", action="append", required=True, metavar="decode:BATCHxHISTORY")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
