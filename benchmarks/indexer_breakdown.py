@@ -140,18 +140,27 @@ def merges_per_program(scores: torch.Tensor, topk: int, split_len: int, block_s:
 
 def ordering_ms(rows: int, splits: int, topk: int) -> dict:
     """The ordering stage alone at the kernel's part shape [rows, splits, KP], on keys of
-    random fp32 scores at distinct positions: order_keys (Triton) against order_keys_torch
-    (one torch.topk), CUDA-graph medians, and whether they agree."""
+    random fp32 scores at distinct positions: order_keys (Triton) as served, and with its
+    ranks over all pairs and within digit buckets each forced (ORDER_KEYS_WORK), against
+    order_keys_torch (one torch.topk); CUDA-graph medians, and whether they all agree."""
     kp = max(triton.next_power_of_2(topk), 16)
     g = torch.Generator(device="cuda").manual_seed(rows * splits)
     positions = torch.argsort(torch.rand(rows, splits * kp, device="cuda", generator=g), dim=1)
     part = indexer_topk.encode_keys_torch(torch.randn(rows, splits * kp, device="cuda", generator=g),
                                           positions).reshape(rows, splits, kp)
-    same = all(torch.equal(a, b) for a, b in zip(indexer_topk.order_keys(part, topk),
-                                                   indexer_topk.order_keys_torch(part, topk)))
-    return {"rows": rows, "splits": splits, "topk": topk, "keys_per_row": splits * kp, "same": same,
-            "triton_ms": do_bench_cudagraph(lambda: indexer_topk.order_keys(part, topk), return_mode="median"),
-            "torch_ms": do_bench_cudagraph(lambda: indexer_topk.order_keys_torch(part, topk), return_mode="median")}
+    reference = indexer_topk.order_keys_torch(part, topk)
+    out = {"rows": rows, "splits": splits, "topk": topk, "keys_per_row": splits * kp,
+           "ranks_served": "all pairs" if rows * topk * topk <= indexer_topk.ORDER_KEYS_WORK else "buckets"}
+    served_bound = indexer_topk.ORDER_KEYS_WORK
+    try:
+        for name, bound in (("triton", served_bound), ("triton_all_pairs", float("inf")), ("triton_buckets", 0)):
+            indexer_topk.ORDER_KEYS_WORK = bound
+            out[f"same[{name}]"] = all(torch.equal(a, b) for a, b in zip(indexer_topk.order_keys(part, topk), reference))
+            out[f"{name}_ms"] = do_bench_cudagraph(lambda: indexer_topk.order_keys(part, topk), return_mode="median")
+    finally:
+        indexer_topk.ORDER_KEYS_WORK = served_bound
+    out["torch_ms"] = do_bench_cudagraph(lambda: indexer_topk.order_keys_torch(part, topk), return_mode="median")
+    return out
 
 
 def main() -> None:
