@@ -74,7 +74,7 @@ def scoring_launch(q, w, k, table, row_len, topk: int, programs: int, block_s: i
     request) when it runs `programs` programs."""
     R, H, Dh = q.shape
     kp = triton.next_power_of_2(topk)
-    split_len = indexer_topk._split_len(table.shape[1], kp, R, programs)
+    split_len = indexer_topk._split_len(table.shape[1], R, programs, block_s)
     splits = triton.cdiv(table.shape[1], split_len)
     out = torch.empty(R, splits, block_s, dtype=torch.int64, device=q.device)
     w = w.float()
@@ -138,18 +138,17 @@ def merges_per_program(scores: torch.Tensor, topk: int, split_len: int, block_s:
     return counts
 
 
-def ordering_ms(rows: int, splits: int, topk: int) -> dict:
-    """The ordering stage alone at the kernel's part shape [rows, splits, KP], on keys of
+def ordering_ms(rows: int, splits: int, width: int, topk: int) -> dict:
+    """The ordering stage alone at the kernel's part shape [rows, splits, width], on keys of
     random fp32 scores at distinct positions: order_keys (Triton) as served, and with its
     ranks over all pairs and within digit buckets each forced (ORDER_KEYS_WORK), against
     order_keys_torch (one torch.topk); CUDA-graph medians, and whether they all agree."""
-    kp = max(triton.next_power_of_2(topk), 16)
     g = torch.Generator(device="cuda").manual_seed(rows * splits)
-    positions = torch.argsort(torch.rand(rows, splits * kp, device="cuda", generator=g), dim=1)
-    part = indexer_topk.encode_keys_torch(torch.randn(rows, splits * kp, device="cuda", generator=g),
-                                          positions).reshape(rows, splits, kp)
+    positions = torch.argsort(torch.rand(rows, splits * width, device="cuda", generator=g), dim=1)
+    part = indexer_topk.encode_keys_torch(torch.randn(rows, splits * width, device="cuda", generator=g),
+                                          positions).reshape(rows, splits, width)
     reference = indexer_topk.order_keys_torch(part, topk)
-    out = {"rows": rows, "splits": splits, "topk": topk, "keys_per_row": splits * kp,
+    out = {"rows": rows, "splits": splits, "topk": topk, "keys_per_row": splits * width,
            "ranks_served": "all pairs" if rows * topk * topk <= indexer_topk.ORDER_KEYS_WORK else "buckets"}
     served_bound = indexer_topk.ORDER_KEYS_WORK
     try:
@@ -178,8 +177,9 @@ def main() -> None:
         kp = triton.next_power_of_2(topk)
         for rows, history in ((1, 4096), (1, 32768), (8, 32768), (64, 32768), (1, 131072), (8, 131072),
                               (32, 131072), (64, 131072)):
-            splits = triton.cdiv(history, indexer_topk._split_len(history, kp, rows, programs))
-            out.append(dict(history=history, **ordering_ms(rows, splits, topk)))
+            split_len = indexer_topk._split_len(history, rows, programs, min(128, kp))
+            out.append(dict(history=history, **ordering_ms(rows, triton.cdiv(history, split_len), min(kp, split_len),
+                                                           topk)))
             print(json.dumps(out[-1]), flush=True)
     with open(args.out, "w") as f:
         json.dump({"device": torch.cuda.get_device_name(0), "cases": out}, f, indent=1)

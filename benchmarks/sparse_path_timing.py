@@ -179,7 +179,7 @@ def ablate_indexer(rows, reqs, length, row_len, row_req, g, decode):
         record("scoring_loop_only_ms", scoring_ms(q, w, k, table, row_len, TOPK))
         record("one_merge_us", merge_us(TOPK))
         scores = (k[table[0, :length].long()].float() @ q[0].float().T).relu() @ w[0]  # row 0, fp32
-        split_len = indexer_topk._split_len(table.shape[1], triton.next_power_of_2(TOPK), rows, 2 * sms)
+        split_len = indexer_topk._split_len(table.shape[1], rows, 2 * sms, 128)
         record("merges_per_program[first,last split]", merges_per_program(scores, TOPK, split_len))
         record("tiles_per_program", triton.cdiv(split_len, 128))
     return out

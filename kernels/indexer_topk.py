@@ -149,9 +149,11 @@ def _top_threshold(keys, KP: tl.constexpr):
 
 
 @triton.jit
-def _merge_candidates(buf, dst, held, count, offs_2k, NONE: tl.constexpr, KP: tl.constexpr, GPU: tl.constexpr):
+def _merge_candidates(buf, dst, held, count, offs_2k, width, NONE: tl.constexpr, KP: tl.constexpr,
+                      GPU: tl.constexpr):
     """Keep the best KP of the running Top-KP (buf[:held]) and the candidates (buf[KP:KP +
-    count]), unordered, in dst[:KP] (NONE past them): (how many were kept, the new bar, 0)."""
+    count]), unordered, in dst[:width] (NONE past them; width <= KP holds them all when
+    fewer than width keys were ever seen): (how many were kept, the new bar, 0)."""
     waiting = tl.max(_after_barrier(tl.max(count, axis=0) + tl.zeros([1], tl.int32), GPU), axis=0)
     valid = tl.where(offs_2k[None, :] < KP, offs_2k[None, :] < held[:, None], offs_2k[None, :] - KP < count[:, None])
     keys = tl.load(buf + offs_2k[None, :], mask=valid & (waiting >= 0), other=NONE,  # after the block's stores
@@ -166,7 +168,8 @@ def _merge_candidates(buf, dst, held, count, offs_2k, NONE: tl.constexpr, KP: tl
     read = tl.max(_after_barrier(tl.max(kept, axis=0) + tl.zeros([1], tl.int32), GPU), axis=0)
     tl.store(dst + at, keys, mask=keep & (read >= 0))
     offs_k = tl.arange(0, KP)
-    tl.store(dst + offs_k[None, :], tl.full([1, KP], NONE, tl.int64), mask=offs_k[None, :] >= kept[:, None])
+    tl.store(dst + offs_k[None, :], tl.full([1, KP], NONE, tl.int64),
+             mask=(offs_k[None, :] >= kept[:, None]) & (offs_k[None, :] < width))
     return kept, bar, tl.zeros_like(count)
 
 
@@ -227,11 +230,12 @@ def _indexer_topk_kernel(
             tl.store(buf + KP + at, key, mask=beats)
             count += tl.sum(beats.to(tl.int32), axis=1)
             if tl.max(count, axis=0) > KP - BLOCK_S:  # the buffer might not take the next tile
-                held, bar, count = _merge_candidates(buf, buf, held, count, offs_2k, NONE, KP, GPU)
-    # The split's best KP keys, unordered; order_keys ranks them across splits.
-    part = part_ptr + (rows[:, None] * tl.num_programs(1) + tl.program_id(1)) * KP
+                held, bar, count = _merge_candidates(buf, buf, held, count, offs_2k, KP, NONE, KP, GPU)
+    # The split's best min(KP, SPLIT_LEN) keys, unordered; order_keys ranks them across splits.
+    width = tl.minimum(SPLIT_LEN, KP)
+    part = part_ptr + (rows[:, None] * tl.num_programs(1) + tl.program_id(1)) * width
     part = tl.where(live[:, None], part, buf + KP)  # a block's rows past its end write into their own buffer
-    _merge_candidates(buf, part, held, count, offs_2k, NONE, KP, GPU)
+    _merge_candidates(buf, part, held, count, offs_2k, width, NONE, KP, GPU)
 
 
 def _row_blocks(row_req: torch.Tensor, block_m: int, uniform: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -251,13 +255,20 @@ def _row_blocks(row_req: torch.Tensor, block_m: int, uniform: bool) -> tuple[tor
     return starts, ends
 
 
-def _split_len(history: int, kp: int, programs: int, target: int) -> int:
+# The fewest tiles a split of the history gets: below it a program's fixed work (its
+# queries, the final merge and write) outweighs its share of the scoring.
+MIN_SPLIT_TILES = 4
+
+
+def _split_len(history: int, programs: int, target: int, block_s: int) -> int:
     """Positions per split: as many splits as keep the programs within `target` (one wave:
-    a second, partial wave costs as much as the first), each a whole number of KP
-    positions. From the table width, not the lengths, so it is the same in every replay
-    of a CUDA graph."""
-    splits = min(triton.cdiv(history, kp), max(1, target // programs))
-    return triton.cdiv(triton.cdiv(history, splits), kp) * kp
+    a second, partial wave costs as much as the first), each a whole number of tiles and
+    at least MIN_SPLIT_TILES of them. A split shorter than KP hands all its keys to the
+    ordering, which then reads the whole history, as one of KP does: so a few long rows
+    spread over the GPU instead of a few programs each scoring KP positions. From the table
+    width, not the lengths, so it is the same in every replay of a CUDA graph."""
+    splits = min(triton.cdiv(history, MIN_SPLIT_TILES * block_s), max(1, target // programs))
+    return triton.cdiv(triton.cdiv(history, splits), block_s) * block_s
 
 
 # The ordering stage: a radix select of each row's best min(K, real) keys from the splits'
@@ -469,7 +480,7 @@ ORDER_KEYS_WORK = 8 * 2048 * 2048
 
 
 def order_keys(part: torch.Tensor, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """[R, splits, KP] unordered keys (NONE where there is none) -> the best topk positions
+    """[R, splits, width] unordered keys (NONE where there is none) -> the best topk positions
     [R, topk] int32 and their fp32 scores, best first, -1 / -inf past the real keys. Six
     launches, no host sync (CUDA-graph capturable): chunk stats, the first round's
     histogram and split over every key, the later rounds per row (and the grouping by digit
@@ -613,9 +624,9 @@ def indexer_topk(
         if programs is None:
             programs = 2 * torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 1
         history = max(req_to_token.shape[1], 1)
-        split_len = _split_len(history, kp, starts.shape[0], programs)
+        split_len = _split_len(history, starts.shape[0], programs, block_s)
         splits = triton.cdiv(history, split_len)
-        part = torch.empty(R, splits, kp, dtype=torch.int64, device=q.device)
+        part = torch.empty(R, splits, min(kp, split_len), dtype=torch.int64, device=q.device)
         cand = torch.empty(starts.shape[0] * splits * block_m * 2 * kp, dtype=torch.int64, device=q.device)
         _indexer_topk_kernel[(starts.shape[0], splits)](
             q, weights, index_k, req_to_token, row_req, row_len, starts, ends, q_scale, k_scale, part, cand,
