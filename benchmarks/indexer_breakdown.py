@@ -64,8 +64,8 @@ def _merge_kernel(buf_ptr, REPS, KP: tl.constexpr):
     for _ in range(REPS):
         # The candidates region keeps its keys, so every merge takes a full buffer again (the
         # duplicates this makes change what is kept, not the work).
-        held, bar, _ = _merge_candidates(buf, buf, held, tl.full([1], KP, tl.int32), tl.arange(0, 2 * KP), NONE,
-                                         KP, True)
+        held, bar, _ = _merge_candidates(buf, buf, held, tl.full([1], KP, tl.int32), tl.arange(0, 2 * KP), KP,
+                                         NONE, KP, True)
 
 
 def scoring_launch(q, w, k, table, row_len, topk: int, programs: int, block_s: int = 128, num_warps: int = 4,
