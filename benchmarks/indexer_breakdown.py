@@ -140,26 +140,17 @@ def merges_per_program(scores: torch.Tensor, topk: int, split_len: int, block_s:
 
 def ordering_ms(rows: int, splits: int, width: int, topk: int) -> dict:
     """The ordering stage alone at the kernel's part shape [rows, splits, width], on keys of
-    random fp32 scores at distinct positions: order_keys (Triton) as served, and with its
-    ranks over all pairs and within digit buckets each forced (ORDER_KEYS_WORK), against
-    order_keys_torch (one torch.topk); CUDA-graph medians, and whether they all agree."""
+    random fp32 scores at distinct positions: order_keys (Triton) against order_keys_torch
+    (one torch.topk), CUDA-graph medians, and whether they agree."""
     g = torch.Generator(device="cuda").manual_seed(rows * splits)
     positions = torch.argsort(torch.rand(rows, splits * width, device="cuda", generator=g), dim=1)
     part = indexer_topk.encode_keys_torch(torch.randn(rows, splits * width, device="cuda", generator=g),
                                           positions).reshape(rows, splits, width)
-    reference = indexer_topk.order_keys_torch(part, topk)
-    out = {"rows": rows, "splits": splits, "topk": topk, "keys_per_row": splits * width,
-           "ranks_served": "all pairs" if rows * topk * topk <= indexer_topk.ORDER_KEYS_WORK else "buckets"}
-    served_bound = indexer_topk.ORDER_KEYS_WORK
-    try:
-        for name, bound in (("triton", served_bound), ("triton_all_pairs", float("inf")), ("triton_buckets", 0)):
-            indexer_topk.ORDER_KEYS_WORK = bound
-            out[f"same[{name}]"] = all(torch.equal(a, b) for a, b in zip(indexer_topk.order_keys(part, topk), reference))
-            out[f"{name}_ms"] = do_bench_cudagraph(lambda: indexer_topk.order_keys(part, topk), return_mode="median")
-    finally:
-        indexer_topk.ORDER_KEYS_WORK = served_bound
-    out["torch_ms"] = do_bench_cudagraph(lambda: indexer_topk.order_keys_torch(part, topk), return_mode="median")
-    return out
+    same = all(torch.equal(a, b) for a, b in zip(indexer_topk.order_keys(part, topk),
+                                                   indexer_topk.order_keys_torch(part, topk)))
+    return {"rows": rows, "splits": splits, "topk": topk, "keys_per_row": splits * width, "same": same,
+            "triton_ms": do_bench_cudagraph(lambda: indexer_topk.order_keys(part, topk), return_mode="median"),
+            "torch_ms": do_bench_cudagraph(lambda: indexer_topk.order_keys_torch(part, topk), return_mode="median")}
 
 
 def main() -> None:

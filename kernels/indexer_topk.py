@@ -29,8 +29,9 @@ positions in random order about KP (1 + ln(n / KP)) keys ever beat the bar, so a
 history that only rises merges every KP positions, never gives a wrong answer. The
 kernel writes each program's KP keys unordered (run 19: Triton's sort of 4096 keys took
 113 us per merge, three quarters of the kernel's time at 64 x 128K; the scoring loop
-alone ran at 93% of copy bandwidth). The ordering stage, order_keys (a radix select and
-ranks, in Triton), then takes the best K over a row's splits, best first.
+alone ran at 93% of copy bandwidth). The ordering stage then takes the best K over a
+row's splits, best first: order_keys (a radix select and ranks, in Triton) where a batch's
+rows x K^2 rank comparisons stay small, torch.topk over the keys past that (run 58).
 A program serves up to block_m consecutive rows of one request (the rows of a prefill
 chunk or of a verify step): each K tile is loaded once for all of them, one dot gives
 every row's logits, and the rows keep their running Top-Ks side by side.
@@ -275,9 +276,7 @@ def _split_len(history: int, programs: int, target: int, block_s: int) -> int:
 # KP keys, 8 bits a round from the highest bit on which the row's keys differ, then each
 # selected key placed at its rank. The first round (over every key) runs one program per
 # chunk of a row; the rest (over the keys on the first round's boundary digit, usually a
-# few percent) one program per row. A rank is counted within the key's bucket (its digit
-# of the top 8 bits on which the selected keys differ), not over all K keys: all pairs
-# made the rank step rows x K^2 (0.24 ms for 64 rows at K = 2048, run 58).
+# few percent) one program per row.
 
 @triton.jit
 def _digit(key, shift):
@@ -363,15 +362,13 @@ def _chunk_split_kernel(part_ptr, stats_ptr, hist_ptr, sel_ptr, rest_ptr, N, TOP
 
 
 @triton.jit
-def _select_rest_kernel(stats_ptr, hist_ptr, rest_ptr, sel_ptr, bucket_ptr, need_ptr, N, C, TOPK,
-                        BLOCK: tl.constexpr, C_POW2: tl.constexpr, BUCKETS: tl.constexpr, GPU: tl.constexpr):
+def _select_rest_kernel(stats_ptr, hist_ptr, rest_ptr, sel_ptr, need_ptr, N, C, TOPK,
+                        BLOCK: tl.constexpr, C_POW2: tl.constexpr, GPU: tl.constexpr):
     """One program per row: the rounds after the first, over the candidates on its
     boundary digit (rest[row, :n]). A round histograms their next digit, sends those above
     the new boundary digit to sel and keeps those on it, in place at the front of rest; the
     round whose digit ends exactly at the need-th best sends that digit's keys too and is
-    the last (keys are unique, so one comes by bit 0). With BUCKETS it then groups the
-    selected keys by digit for _rank_kernel: into rest, bucket [row, 0] = where each digit's
-    keys start, bucket [row, 1] = where they end. need [row] = (need, the buckets' shift)."""
+    the last (keys are unique, so one comes by bit 0)."""
     NONE: tl.constexpr = -9223372036854775807 - 1
     row = tl.program_id(0).to(tl.int64)
     shift, need = _row_start(stats_ptr, row, C, TOPK, C_POW2)
@@ -406,65 +403,26 @@ def _select_rest_kernel(stats_ptr, hist_ptr, rest_ptr, sel_ptr, bucket_ptr, need
         n = tl.max(_after_barrier(kept + tl.zeros([1], tl.int32), GPU), axis=0)
         left -= above
         going = (~last) & (left > 0) & (shift > -8)  # a round at shift -8 would read no bit
-    bucket_shift = tl.zeros([], tl.int64)
-    if BUCKETS:
-        # Buckets for the ranks: the selected keys grouped by their digit of the top 8 bits on
-        # which they differ, highest digit first, into rest (its candidates are spent). A key's
-        # rank is then the keys on higher digits plus those above it on its own.
-        need = tl.max(_after_barrier(need + tl.zeros([1], tl.int32), GPU), axis=0)  # sel holds this block's stores
-        kmax = tl.full([], -9223372036854775807 - 1, tl.int64)
-        kmin = tl.full([], 9223372036854775807, tl.int64)
-        for c in range(0, need, BLOCK):
-            key = tl.load(dst + c + offs, mask=c + offs < need, other=NONE, cache_modifier=".cg")
-            kmax = tl.maximum(kmax, tl.max(key))
-            kmin = tl.minimum(kmin, tl.min(tl.where(c + offs < need, key, 9223372036854775807)))
-        bucket_shift = (tl.sum(((kmin ^ kmax) >> tl.arange(0, 64).to(tl.int64) != 0).to(tl.int32)) - 8).to(tl.int64)
-        hist = tl.zeros([256], tl.int32)
-        for c in range(0, need, BLOCK):
-            key = tl.load(dst + c + offs, mask=c + offs < need, other=NONE, cache_modifier=".cg")
-            hist += tl.histogram(_digit(key, bucket_shift).to(tl.int32), 256, mask=c + offs < need)
-        start = need - tl.cumsum(hist, 0)  # keys on higher digits: where the digit's bucket starts
-        bins = tl.arange(0, 256)
-        tl.store(bucket_ptr + row * 512 + bins, start)
-        tl.store(bucket_ptr + row * 512 + 256 + bins, start)  # the scatter's cursors: each ends at its bucket's end
-        ready = tl.max(_after_barrier(tl.max(start) + tl.zeros([1], tl.int32), GPU), axis=0)
-        for c in range(0, need, BLOCK):
-            real = (c + offs < need) & (ready >= 0)
-            key = tl.load(dst + c + offs, mask=real, other=NONE, cache_modifier=".cg")
-            at = tl.atomic_add(bucket_ptr + row * 512 + 256 + _digit(key, bucket_shift), 1, mask=real)
-            tl.store(src + at, key, mask=real)
-    tl.store(need_ptr + row * 2, need.to(tl.int64))
-    tl.store(need_ptr + row * 2 + 1, bucket_shift)
+    tl.store(need_ptr + row, need)
 
 
 @triton.jit
-def _rank_kernel(keys_ptr, bucket_ptr, need_ptr, idx_ptr, score_ptr, N, TOPK, BLOCK_A: tl.constexpr,
-                 BLOCK_B: tl.constexpr, BUCKETS: tl.constexpr):
-    """Program (row, j): each of the row's selected keys keys[row, j * BLOCK_A ...] goes to
-    its rank, as a position and its score; slots past need get -1 and -inf. The rank is a
-    count, no sort (keys are unique): with BUCKETS, the keys grouped by digit (highest
-    first, _select_rest_kernel), it is the keys on higher digits (where the key's bucket
-    starts) plus those of its own bucket above it, and a block's consecutive keys read one
-    span of buckets; without, every selected key is compared with every other."""
+def _rank_kernel(sel_ptr, need_ptr, idx_ptr, score_ptr, TOPK, BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr):
+    """Program (row, j): each of the row's selected keys sel[row, j * BLOCK_A ...] goes to
+    its rank (how many selected keys are greater; keys are unique), as a position and
+    its score; slots past need get -1 and -inf. No sort: ranks are counts, and a row's
+    Top-K spreads over TOPK / BLOCK_A programs."""
     NONE: tl.constexpr = -9223372036854775807 - 1
     row = tl.program_id(0).to(tl.int64)
-    need = tl.load(need_ptr + row * 2).to(tl.int32)
-    shift = tl.load(need_ptr + row * 2 + 1)
+    need = tl.load(need_ptr + row)
     offs_a = tl.program_id(1) * BLOCK_A + tl.arange(0, BLOCK_A)
     offs_b = tl.arange(0, BLOCK_B)
+    a = tl.load(sel_ptr + row * TOPK + offs_a, mask=offs_a < need, other=NONE)
+    rank = tl.zeros([BLOCK_A], tl.int32)
+    for c in range(0, need, BLOCK_B):
+        b = tl.load(sel_ptr + row * TOPK + c + offs_b, mask=c + offs_b < need, other=NONE)
+        rank += tl.sum((b[None, :] > a[:, None]).to(tl.int32), axis=1)
     found = offs_a < need
-    a = tl.load(keys_ptr + row * N + offs_a, mask=found, other=NONE)
-    if BUCKETS:
-        digit = _digit(a, shift)
-        first = tl.load(bucket_ptr + row * 512 + digit, mask=found, other=0)  # the key's bucket: [first, end)
-        end = tl.load(bucket_ptr + row * 512 + 256 + digit, mask=found, other=0)
-    else:
-        first = tl.zeros([BLOCK_A], tl.int32)
-        end = first + need
-    rank = first
-    for c in range(tl.min(tl.where(found, first, need)), tl.max(end), BLOCK_B):
-        b = tl.load(keys_ptr + row * N + c + offs_b, mask=c + offs_b < need, other=NONE)
-        rank += tl.sum(((b[None, :] > a[:, None]) & (c + offs_b[None, :] >= first[:, None])).to(tl.int32), axis=1)
     ordered = (a >> 32).to(tl.int32)
     score = tl.where(ordered >= 0, ordered, ordered ^ 0x7FFFFFFF).to(tl.float32, bitcast=True)
     at = tl.where(found, rank, offs_a)
@@ -473,9 +431,10 @@ def _rank_kernel(keys_ptr, bucket_ptr, need_ptr, idx_ptr, score_ptr, N, TOPK, BL
     tl.store(score_ptr + row * TOPK + at, tl.where(found, score, float("-inf")), mask=offs_a < TOPK)
 
 
-# The most rows x K^2 that order_keys ranks all pairs; past it, within digit buckets. All
-# pairs needs no grouping pass: cheapest for a few rows. At K = 2048 it lost to torch.topk
-# from 32 rows on (0.148 against 0.126 ms; H100, run 58).
+# The most rows x KP^2 for which indexer_topk orders with order_keys. Its rank step compares
+# every selected key with every other: at K = 2048 it beat torch.topk up to 8 rows and lost
+# from 32 (0.148 against 0.126 ms), at K = 256 it won at every row count measured, up to 64
+# (H100, run 58, benchmarks/indexer_breakdown.py).
 ORDER_KEYS_WORK = 8 * 2048 * 2048
 
 
@@ -483,8 +442,7 @@ def order_keys(part: torch.Tensor, topk: int) -> tuple[torch.Tensor, torch.Tenso
     """[R, splits, width] unordered keys (NONE where there is none) -> the best topk positions
     [R, topk] int32 and their fp32 scores, best first, -1 / -inf past the real keys. Six
     launches, no host sync (CUDA-graph capturable): chunk stats, the first round's
-    histogram and split over every key, the later rounds per row (and the grouping by digit
-    when rows x topk^2 passes ORDER_KEYS_WORK), the ranks. Replaces
+    histogram and split over every key, the later rounds per row, the ranks. Replaces
     torch.topk over the keys, whose radix select and sort took 55-130 us at any width (run
     42). Keys are unique per position, so the order is the reference's (see _encode);
     order_keys_torch is the reference."""
@@ -502,19 +460,15 @@ def order_keys(part: torch.Tensor, topk: int) -> tuple[torch.Tensor, torch.Tenso
     hist = torch.zeros(R, 258, dtype=torch.int32, device=part.device)  # 256 bins, then the split's two counters
     sel = torch.empty(R, topk, dtype=torch.int64, device=part.device)
     rest = torch.empty_like(part)
-    bucket = torch.empty(R, 2, 256, dtype=torch.int32, device=part.device)  # per digit: first slot, end
-    need = torch.empty(R, 2, dtype=torch.int64, device=part.device)  # need, and the buckets' digit shift
+    need = torch.empty(R, dtype=torch.int32, device=part.device)
     _chunk_stats_kernel[(R, C)](part, stats, N, BLOCK=block, num_warps=8)
     _chunk_histogram_kernel[(R, C)](part, stats, hist, N, topk, BLOCK=block, C_POW2=c_pow2, num_warps=8)
     _chunk_split_kernel[(R, C)](part, stats, hist, sel, rest, N, topk, BLOCK=block, C_POW2=c_pow2, num_warps=8)
-    buckets = R * topk * topk > ORDER_KEYS_WORK
-    _select_rest_kernel[(R,)](stats, hist, rest, sel, bucket, need, N, C, topk, BLOCK=1024, C_POW2=c_pow2,
-                              BUCKETS=buckets, GPU=not isinstance(_select_rest_kernel, InterpretedFunction),
-                              num_warps=8)
+    _select_rest_kernel[(R,)](stats, hist, rest, sel, need, N, C, topk, BLOCK=1024, C_POW2=c_pow2,
+                              GPU=not isinstance(_select_rest_kernel, InterpretedFunction), num_warps=8)
     block_a = min(128, triton.next_power_of_2(topk))
-    _rank_kernel[(R, triton.cdiv(topk, block_a))](rest if buckets else sel, bucket, need, idx, scores,
-                                                   N if buckets else topk, topk, BLOCK_A=block_a, BLOCK_B=block_a,
-                                                   BUCKETS=buckets, num_warps=4)
+    _rank_kernel[(R, triton.cdiv(topk, block_a))](sel, need, idx, scores, topk, BLOCK_A=block_a,
+                                                   BLOCK_B=block_a, num_warps=4)
     return idx, scores
 
 
@@ -571,8 +525,8 @@ def indexer_topk(
     (tests/compile_for_sm90.py compiles the served shapes).
     programs: about how many programs to run (default: 2 per SM). When there are fewer row
     blocks, the history is split across programs (split-K, as in flash-decoding) and the
-    splits' Top-Ks are merged by the ordering stage that orders them anyway: a few KP-wide
-    rows per query row, never a score per position. num_warps: per program. num_stages: Triton's software
+    splits' Top-Ks are merged by the torch.topk that orders them anyway: a few KP-wide rows
+    per query row, never a score per position. num_warps: per program. num_stages: Triton's software
     pipelining depth for the tile loads (loading the next tile by hand into registers
     instead measured no faster, run 18). block_s: positions per tile; 128 measured
     fastest on the H200 (run 18), and two such programs still fit on one SM.
@@ -638,7 +592,8 @@ def indexer_topk(
             GPU=not isinstance(_indexer_topk_kernel, InterpretedFunction), TREE=tree is not None,
             num_warps=num_warps, num_stages=num_stages,
         )
-        idx, scores = order_keys(part, topk)
+        order = order_keys if R * kp * kp <= ORDER_KEYS_WORK else order_keys_torch
+        idx, scores = order(part, topk)
     return (idx, scores) if return_scores else idx
 
 

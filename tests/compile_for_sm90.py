@@ -80,8 +80,6 @@ def cases():
     tree = (row_len - rows, torch.full((rows,), 2**rows - 1, dtype=torch.int64))  # verify rows of a draft tree
     out.append(("indexer_topk[tree verify,bf16]", lambda: indexer_topk.indexer_topk(
         q, w, k, table, row_req, row_len, 2048, block_m=_EXTEND_ROW_BLOCK, rows_per_request=rows, tree=tree)))
-    part = torch.randint(-2**62, 2**62, (64, 4, 2048), generator=g)
-    out.append(("order_keys[64 rows, buckets]", lambda: indexer_topk.order_keys(part, 2048)))  # past ORDER_KEYS_WORK
     qm = torch.randn(rows, 128, 576, generator=g).bfloat16()
     kv = torch.randn(hist, 576, generator=g).bfloat16()
     selected = torch.randint(0, hist, (rows, 2048), generator=g, dtype=torch.int32)

@@ -66,11 +66,11 @@ def test_exact_inputs_match_reference_including_ties(row_lens, reqs, H, D, topk,
 
 
 @pytest.mark.parametrize("row_lens, reqs, H, D, topk", SHAPES)
-def test_batches_past_the_all_pairs_bound_rank_within_buckets(row_lens, reqs, H, D, topk, monkeypatch):
-    """A batch whose rows x K^2 passes ORDER_KEYS_WORK (wide decode and verify batches,
-    prefill chunks) ranks each selected key within its digit bucket: the same positions
-    and scores as the reference."""
+def test_batches_past_the_ordering_kernels_work_bound_order_with_torch(row_lens, reqs, H, D, topk, monkeypatch):
+    """A batch whose rows x KP^2 passes ORDER_KEYS_WORK (prefill chunks, wide verify
+    batches) is ordered by torch.topk over the same keys: the same positions and scores."""
     monkeypatch.setattr(_module, "ORDER_KEYS_WORK", 0)
+    monkeypatch.setattr(_module, "order_keys", None)  # fails if it were still called
     args = _case(row_lens, reqs, H, D, max(max(row_lens), 1), integer=True, dtype=torch.float32)
     idx, scores = indexer_topk(*args, topk, return_scores=True, block_s=16, programs=64)
     ref_idx, ref_scores = indexer_topk_torch(*args, topk, return_scores=True)
@@ -247,13 +247,10 @@ def test_merge_threshold_keeps_exactly_the_best(real):
     (1, 3, 2048, 2048, 5000), # the bench preset's Top-K, two rank programs' worth of blocks
 ])
 @pytest.mark.parametrize("scores", ["random", "ties", "one value", "negative"])
-@pytest.mark.parametrize("ranks", ["all pairs", "buckets"])
-def test_order_keys_equals_torch_topk(rows, splits, kp, topk, real, scores, ranks, monkeypatch):
+def test_order_keys_equals_torch_topk(rows, splits, kp, topk, real, scores):
     """The Triton ordering (radix select + rank) against one torch.topk over the same keys:
     random scores; few distinct scores (the select runs into the position bits); every
-    score equal (the first rounds keep everything, one bucket holds all); negative and
-    huge-magnitude scores. Ranks over all pairs, and within digit buckets."""
-    monkeypatch.setattr(_module, "ORDER_KEYS_WORK", float("inf") if ranks == "all pairs" else 0)
+    score equal (the first rounds keep everything); negative and huge-magnitude scores."""
     g = torch.Generator().manual_seed(real + topk)
     none = torch.iinfo(torch.int64).min
     part = torch.full((rows, splits * kp), none, dtype=torch.int64)
