@@ -41,7 +41,7 @@ def load_variant(spec: str):
         constant, _, value = setting.partition("=")
         if not hasattr(module, constant):
             raise SystemExit(f"{path} has no constant {constant} (--variant {spec})")
-        setattr(module, constant, float(value))
+        setattr(module, constant, int(value) if value.lstrip("-").isdigit() else float(value))
     return name, module
 
 
