@@ -10,8 +10,8 @@ Each variant's selection must equal the first's (all are exact).
     python benchmarks/indexer_variants.py --variant old=/tmp/old.py --variant new=/tmp/new.py \
         --variant new-buckets=/tmp/new.py@ORDER_KEYS_WORK=0 --case decode:1x32768 --out $OUT/ab.json
 
-A path ending in @NAME=VALUE loads that file with the module constant NAME set to VALUE
-(a number). Decode only (CUDA-graph medians, BF16, 4
+A path followed by @NAME=VALUE (repeatable) loads that file with the module constant NAME
+set to VALUE (a number). Decode only (CUDA-graph medians, BF16, 4
 warps); the variants are timed in order, then again in reverse order, and both are kept.
 """
 
@@ -31,13 +31,13 @@ from sparse_path_timing import D, HI, TOPK, hbm_copy_gbps, paged_history, parse_
 
 
 def load_variant(spec: str):
-    """'name=path[@CONSTANT=VALUE]' -> (name, the module loaded from path)."""
+    """'name=path[@CONSTANT=VALUE...]' -> (name, the module loaded from path)."""
     name, _, path = spec.partition("=")
-    path, _, setting = path.partition("@")
+    path, *settings = path.split("@")
     loader = importlib.util.spec_from_file_location(f"indexer_variant_{name.replace('-', '_')}", path)
     module = importlib.util.module_from_spec(loader)
     loader.loader.exec_module(module)
-    if setting:
+    for setting in settings:
         constant, _, value = setting.partition("=")
         if not hasattr(module, constant):
             raise SystemExit(f"{path} has no constant {constant} (--variant {spec})")

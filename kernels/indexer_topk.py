@@ -438,6 +438,12 @@ def _rank_kernel(sel_ptr, need_ptr, idx_ptr, score_ptr, TOPK, BLOCK_A: tl.conste
 ORDER_KEYS_WORK = 8 * 2048 * 2048
 
 
+# The rank step: selected keys per program, and keys each compares them with per loop step
+# (the step count, need / RANK_KEYS_PER_STEP, is the program's chain of dependent loads).
+RANK_KEYS_PER_PROGRAM = 128
+RANK_KEYS_PER_STEP = 128
+
+
 def order_keys(part: torch.Tensor, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
     """[R, splits, width] unordered keys (NONE where there is none) -> the best topk positions
     [R, topk] int32 and their fp32 scores, best first, -1 / -inf past the real keys. Six
@@ -466,9 +472,10 @@ def order_keys(part: torch.Tensor, topk: int) -> tuple[torch.Tensor, torch.Tenso
     _chunk_split_kernel[(R, C)](part, stats, hist, sel, rest, N, topk, BLOCK=block, C_POW2=c_pow2, num_warps=8)
     _select_rest_kernel[(R,)](stats, hist, rest, sel, need, N, C, topk, BLOCK=1024, C_POW2=c_pow2,
                               GPU=not isinstance(_select_rest_kernel, InterpretedFunction), num_warps=8)
-    block_a = min(128, triton.next_power_of_2(topk))
+    block_a = min(RANK_KEYS_PER_PROGRAM, triton.next_power_of_2(topk))
+    block_b = min(RANK_KEYS_PER_STEP, triton.next_power_of_2(topk))
     _rank_kernel[(R, triton.cdiv(topk, block_a))](sel, need, idx, scores, topk, BLOCK_A=block_a,
-                                                   BLOCK_B=block_a, num_warps=4)
+                                                   BLOCK_B=block_b, num_warps=4)
     return idx, scores
 
 
