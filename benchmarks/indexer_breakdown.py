@@ -73,7 +73,7 @@ def scoring_launch(q, w, k, table, row_len, topk: int, programs: int, block_s: i
     """A launch of the tile loop alone at indexer_topk's grid for these decode rows (one per
     request) when it runs `programs` programs."""
     R, H, Dh = q.shape
-    kp = triton.next_power_of_2(topk)
+    block_s = min(block_s, triton.next_power_of_2(topk))  # as indexer_topk caps its tiles
     split_len = indexer_topk._split_len(table.shape[1], R, programs, block_s)
     splits = triton.cdiv(table.shape[1], split_len)
     out = torch.empty(R, splits, block_s, dtype=torch.int64, device=q.device)

@@ -7,8 +7,8 @@ token) the kernel scores each position s < row_len[r] of its request,
 
 reading the index-K cache through req_to_token (any page size: the table maps
 each position to its slot), and keeps a running Top-K per program. Only the Top-K
-keys are written (KP per row and split); no [rows x history] score matrix exists
-anywhere.
+keys are written (per row and split: KP, or the split's length if shorter); no
+[rows x history] score matrix exists anywhere.
 
 Order and ties follow reference.ops.topk_positions: higher score first, equal
 scores keep the lower position first; -1 (score -inf) pads a row whose history is

@@ -177,7 +177,7 @@ def test_top_300_over_several_merges():
 @pytest.mark.parametrize("programs", [1, 4, 64])
 def test_splits_shorter_than_k_hand_over_every_key(programs):
     """A few long rows spread over many programs: at programs=64 the history splits into
-    tiles shorter than KP (K = 200, KP 256, splits of 64 positions), each writing all its
+    splits shorter than KP (K = 200, KP 256, splits of 64 positions), each writing all its
     keys; the ragged last split and a row shorter than the table (its later splits empty)
     included. The same positions and scores as the reference."""
     args = _case([1000, 333], [0, 1], 4, 16, 1000, integer=True, dtype=torch.float32)
