@@ -8,11 +8,11 @@ Each variant's selection must equal the first's (all are exact).
 
     cp kernels/indexer_topk.py /tmp/new.py; git show main~1:kernels/indexer_topk.py > /tmp/old.py
     python benchmarks/indexer_variants.py --variant old=/tmp/old.py --variant new=/tmp/new.py \
-        --variant new-buckets=/tmp/new.py@ORDER_KEYS_WORK=0 --case decode:1x32768 --out $OUT/ab.json
+        --variant new-split2=/tmp/new.py@MIN_SPLIT_TILES=2 --case decode:1x32768 --out $OUT/ab.json
 
 A path followed by @NAME=VALUE (repeatable) loads that file with the module constant NAME
-set to VALUE (a number). Decode only (CUDA-graph medians, BF16, 4
-warps); the variants are timed in order, then again in reverse order, and both are kept.
+set to VALUE (a number). Decode only (CUDA-graph medians, BF16, 4 warps); the variants are
+timed in order, then again in reverse order, and both are kept.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ def load_variant(spec: str):
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--variant", action="append", required=True, metavar="NAME=PATH[@CONSTANT=VALUE]")
+    ap.add_argument("--variant", action="append", required=True, metavar="NAME=PATH[@CONSTANT=VALUE...]")
     ap.add_argument("--case", action="append", required=True, metavar="decode:BATCHxHISTORY")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
