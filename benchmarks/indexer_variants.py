@@ -12,7 +12,8 @@ Each variant's selection must equal the first's (all are exact).
 
 A path followed by @NAME=VALUE (repeatable) loads that file with the module constant NAME
 set to VALUE (a number). Decode only (CUDA-graph medians, BF16, 4 warps); the variants are
-timed in order, then again in reverse order, and both are kept.
+timed in order, then again in reverse order, and both are kept; each variant's GPU time per
+kernel comes from the torch profiler (kernel_us).
 """
 
 from __future__ import annotations
@@ -45,6 +46,17 @@ def load_variant(spec: str):
     return name, module
 
 
+def kernel_us(fn, reps: int = 10) -> dict[str, float]:
+    """Microseconds of GPU time per call, by kernel (torch profiler over eager calls): where
+    a variant's time goes, launch by launch."""
+    fn()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    return {e.key[:80]: round(e.device_time_total / reps, 2) for e in prof.key_averages() if e.device_time_total > 0}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--variant", action="append", required=True, metavar="NAME=PATH[@CONSTANT=VALUE...]")
@@ -74,6 +86,8 @@ def main() -> None:
         for name, module in variants:
             case[f"same_as_{variants[0][0]}[{name}]"] = bool(torch.equal(
                 module.indexer_topk(q, w, k, table, row_req, row_len, TOPK), first))
+        for name, module in variants:
+            case[f"kernel_us[{name}]"] = kernel_us(lambda: module.indexer_topk(q, w, k, table, row_req, row_len, TOPK))
         for order in (variants, variants[::-1]):
             for name, module in order:
                 case.setdefault(f"fused_ms[{name}]", []).append(time(module))

@@ -440,8 +440,11 @@ ORDER_KEYS_WORK = 8 * 2048 * 2048
 
 # The rank step: selected keys per program, and keys each compares them with per loop step
 # (the step count, need / RANK_KEYS_PER_STEP, is the program's chain of dependent loads).
-RANK_KEYS_PER_PROGRAM = 128
-RANK_KEYS_PER_STEP = 128
+# 32 x 512 (4 steps at K = 2048) against 128 x 128 (16 steps): 0.045 against 0.076 ms for the
+# whole indexer at 1 x 4K, 0.063 against 0.095 at 1 x 32K, 0.238 against 0.265 at 8 x 128K
+# (H100, run 65, benchmarks/indexer_variants.py): the rows waited on the chain, not the compares.
+RANK_KEYS_PER_PROGRAM = 32
+RANK_KEYS_PER_STEP = 512
 
 
 def order_keys(part: torch.Tensor, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
