@@ -273,38 +273,41 @@ def _split_len(history: int, programs: int, target: int, block_s: int) -> int:
 
 
 # The ordering stage: a radix select of each row's best min(K, real) keys from the splits'
-# KP keys, 8 bits a round from the highest bit on which the row's keys differ, then each
-# selected key placed at its rank. The first round (over every key) runs one program per
-# chunk of a row; the rest (over the keys on the first round's boundary digit, usually a
-# few percent) one program per row.
+# KP keys, from the highest bit on which the row's keys differ, then each selected key
+# placed at its rank. The first round (over every key) runs one program per chunk of a row
+# and reads FIRST_DIGIT_BITS bits; the rest (over the keys on the first round's boundary
+# digit) one program per row, 8 bits a round. The first digit is wide because a key's top
+# bits are its score's sign and exponent: with 8 of them, a boundary digit spanning [0.5, 2)
+# handed 28% of a 32K row to the one-program rounds (randn scores, K = 2048).
+FIRST_DIGIT_BITS = 12
 
 @triton.jit
-def _digit(key, shift):
-    """The 8 bits of key from bit `shift` up (below bit 0 for a negative shift), of the key
+def _digit(key, shift, BITS: tl.constexpr = 8):
+    """The BITS bits of key from bit `shift` up (below bit 0 for a negative shift), of the key
     with its sign bit flipped, whose unsigned order is the key's signed order."""
     u = key ^ (-9223372036854775807 - 1)
-    return tl.where(shift >= 0, u >> tl.maximum(shift, 0), u << tl.maximum(-shift, 0)) & 255
+    return tl.where(shift >= 0, u >> tl.maximum(shift, 0), u << tl.maximum(-shift, 0)) & ((1 << BITS) - 1)
 
 
 @triton.jit
-def _row_start(stats_ptr, row, C, TOPK, C_POW2: tl.constexpr):
-    """From the row's chunk stats: the first round's shift (its digit is the top 8 of the
-    bits on which the row's real keys differ) and need = min(TOPK, real keys)."""
+def _row_start(stats_ptr, row, C, TOPK, C_POW2: tl.constexpr, FIRST_BITS: tl.constexpr):
+    """From the row's chunk stats: the first round's shift (its digit is the top FIRST_BITS
+    of the bits on which the row's real keys differ) and need = min(TOPK, real keys)."""
     offs = tl.arange(0, C_POW2)
     at = stats_ptr + (row * C + offs) * 3
     kmax = tl.max(tl.load(at, mask=offs < C, other=-9223372036854775807 - 1))
     kmin = tl.min(tl.load(at + 1, mask=offs < C, other=9223372036854775807))
     real = tl.sum(tl.load(at + 2, mask=offs < C, other=0))
     top = tl.sum(((kmin ^ kmax) >> tl.arange(0, 64).to(tl.int64) != 0).to(tl.int32)) - 1  # highest differing bit
-    return (top - 7).to(tl.int64), tl.minimum(real, TOPK).to(tl.int32)
+    return (top + 1 - FIRST_BITS).to(tl.int64), tl.minimum(real, TOPK).to(tl.int32)
 
 
 @triton.jit
-def _boundary(hist, rest):
-    """The digit d that holds the rest-th best of the candidates histogrammed in hist [256],
+def _boundary(hist, rest, BINS: tl.constexpr = 256):
+    """The digit d that holds the rest-th best of the candidates histogrammed in hist [BINS],
     how many are above it, and whether d's candidates end exactly at the rest-th (then the
     select ends with them)."""
-    bins = tl.arange(0, 256)
+    bins = tl.arange(0, BINS)
     ge = tl.sum(hist) - tl.cumsum(hist, 0) + hist  # candidates on this digit or above
     d = tl.max(tl.where(ge >= rest, bins, -1))
     above = tl.sum(tl.where(bins > d, hist, 0))
@@ -326,44 +329,47 @@ def _chunk_stats_kernel(part_ptr, stats_ptr, N, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _chunk_histogram_kernel(part_ptr, stats_ptr, hist_ptr, N, TOPK, BLOCK: tl.constexpr, C_POW2: tl.constexpr):
+def _chunk_histogram_kernel(part_ptr, stats_ptr, hist_ptr, N, TOPK, BLOCK: tl.constexpr, C_POW2: tl.constexpr,
+                            FIRST_BITS: tl.constexpr):
     """Program (row, chunk): the first round's digit histogram of its real keys, added to the row's."""
     NONE: tl.constexpr = -9223372036854775807 - 1
+    BINS: tl.constexpr = 1 << FIRST_BITS
     row, c = tl.program_id(0).to(tl.int64), tl.program_id(1)
-    shift, _ = _row_start(stats_ptr, row, tl.num_programs(1), TOPK, C_POW2)
+    shift, _ = _row_start(stats_ptr, row, tl.num_programs(1), TOPK, C_POW2, FIRST_BITS)
     offs = c * BLOCK + tl.arange(0, BLOCK)
     key = tl.load(part_ptr + row * N + offs, mask=offs < N, other=NONE)
-    hist = tl.histogram(_digit(key, shift).to(tl.int32), 256, mask=key != NONE)
-    tl.atomic_add(hist_ptr + row * 258 + tl.arange(0, 256), hist, mask=hist > 0)
+    hist = tl.histogram(_digit(key, shift, FIRST_BITS).to(tl.int32), BINS, mask=key != NONE)
+    tl.atomic_add(hist_ptr + row * (BINS + 2) + tl.arange(0, BINS), hist, mask=hist > 0)
 
 
 @triton.jit
 def _chunk_split_kernel(part_ptr, stats_ptr, hist_ptr, sel_ptr, rest_ptr, N, TOPK,
-                        BLOCK: tl.constexpr, C_POW2: tl.constexpr):
+                        BLOCK: tl.constexpr, C_POW2: tl.constexpr, FIRST_BITS: tl.constexpr):
     """Program (row, chunk): the first round's split of its keys: those above the boundary
     digit (and on it, when the select ends there) to sel, those on it to rest (the next
-    rounds' candidates), each at offsets taken from the row's counters (hist[256], hist[257]):
-    the order within sel and rest does not matter, the ranks order the result."""
+    rounds' candidates), each at offsets taken from the row's two counters after its
+    histogram: the order within sel and rest does not matter, the ranks order the result."""
     NONE: tl.constexpr = -9223372036854775807 - 1
+    BINS: tl.constexpr = 1 << FIRST_BITS
     row, c = tl.program_id(0).to(tl.int64), tl.program_id(1)
-    shift, need = _row_start(stats_ptr, row, tl.num_programs(1), TOPK, C_POW2)
-    d, above, last = _boundary(tl.load(hist_ptr + row * 258 + tl.arange(0, 256)), need)
+    shift, need = _row_start(stats_ptr, row, tl.num_programs(1), TOPK, C_POW2, FIRST_BITS)
+    d, above, last = _boundary(tl.load(hist_ptr + row * (BINS + 2) + tl.arange(0, BINS)), need, BINS)
     offs = c * BLOCK + tl.arange(0, BLOCK)
     key = tl.load(part_ptr + row * N + offs, mask=offs < N, other=NONE)
-    digit = _digit(key, shift)
+    digit = _digit(key, shift, FIRST_BITS)
     real = key != NONE  # none when need is 0: need = min(TOPK, real keys), TOPK > 0
     up = real & ((digit > d) | (last & (digit == d)))
     on = real & (digit == d) & ~last
     n_up, n_on = tl.sum(up.to(tl.int32)), tl.sum(on.to(tl.int32))
-    at_up = tl.atomic_add(hist_ptr + row * 258 + 256, n_up, mask=n_up > 0)
-    at_on = tl.atomic_add(hist_ptr + row * 258 + 257, n_on, mask=n_on > 0)
+    at_up = tl.atomic_add(hist_ptr + row * (BINS + 2) + BINS, n_up, mask=n_up > 0)
+    at_on = tl.atomic_add(hist_ptr + row * (BINS + 2) + BINS + 1, n_on, mask=n_on > 0)
     tl.store(sel_ptr + row * TOPK + at_up + tl.cumsum(up.to(tl.int32), 0) - 1, key, mask=up)
     tl.store(rest_ptr + row * N + at_on + tl.cumsum(on.to(tl.int32), 0) - 1, key, mask=on)
 
 
 @triton.jit
 def _select_rest_kernel(stats_ptr, hist_ptr, rest_ptr, sel_ptr, need_ptr, N, C, TOPK,
-                        BLOCK: tl.constexpr, C_POW2: tl.constexpr, GPU: tl.constexpr):
+                        BLOCK: tl.constexpr, C_POW2: tl.constexpr, FIRST_BITS: tl.constexpr, GPU: tl.constexpr):
     """One program per row: the rounds after the first, over the candidates on its
     boundary digit (rest[row, :n]). A round histograms their next digit, sends those above
     the new boundary digit to sel and keeps those on it, in place at the front of rest; the
@@ -371,13 +377,14 @@ def _select_rest_kernel(stats_ptr, hist_ptr, rest_ptr, sel_ptr, need_ptr, N, C, 
     the last (keys are unique, so one comes by bit 0)."""
     NONE: tl.constexpr = -9223372036854775807 - 1
     row = tl.program_id(0).to(tl.int64)
-    shift, need = _row_start(stats_ptr, row, C, TOPK, C_POW2)
-    hist = tl.load(hist_ptr + row * 258 + tl.arange(0, 256))
-    d, taken, last = _boundary(hist, need)
+    BINS: tl.constexpr = 1 << FIRST_BITS
+    shift, need = _row_start(stats_ptr, row, C, TOPK, C_POW2, FIRST_BITS)
+    hist = tl.load(hist_ptr + row * (BINS + 2) + tl.arange(0, BINS))
+    d, taken, last = _boundary(hist, need, BINS)
     src = rest_ptr + row * N
     dst = sel_ptr + row * TOPK
     offs = tl.arange(0, BLOCK)
-    n = tl.sum(tl.where(tl.arange(0, 256) == d, hist, 0))
+    n = tl.sum(tl.where(tl.arange(0, BINS) == d, hist, 0))
     left = need - taken  # how many of the best are still to send
     going = (~last) & (left > 0)
     while going:
@@ -432,19 +439,20 @@ def _rank_kernel(sel_ptr, need_ptr, idx_ptr, score_ptr, TOPK, BLOCK_A: tl.conste
 
 
 # The most rows x KP^2 for which indexer_topk orders with order_keys. Its rank step compares
-# every selected key with every other: at K = 2048 it beat torch.topk up to 8 rows and lost
-# from 32 (0.148 against 0.126 ms), at K = 256 it won at every row count measured, up to 64
-# (H100, run 58, benchmarks/indexer_breakdown.py).
-ORDER_KEYS_WORK = 8 * 2048 * 2048
+# every selected key with every other: at K = 2048 it beat torch.topk at every decode row
+# count measured, up to 64 (64 x 128K: 0.962 against 0.984 ms for the whole indexer, H100,
+# run 66); larger batches (prefill chunks) are unmeasured and keep torch.topk.
+ORDER_KEYS_WORK = 64 * 2048 * 2048
 
 
 # The rank step: selected keys per program, and keys each compares them with per loop step
 # (the step count, need / RANK_KEYS_PER_STEP, is the program's chain of dependent loads).
 # 32 x 512 (4 steps at K = 2048) against 128 x 128 (16 steps): 0.045 against 0.076 ms for the
 # whole indexer at 1 x 4K, 0.063 against 0.095 at 1 x 32K, 0.238 against 0.265 at 8 x 128K
-# (H100, run 65, benchmarks/indexer_variants.py): the rows waited on the chain, not the compares.
-RANK_KEYS_PER_PROGRAM = 32
-RANK_KEYS_PER_STEP = 512
+# (H100, run 65, benchmarks/indexer_variants.py): the rows waited on the chain, not the
+# compares. 16 x 1024 (2 steps) took 3-5 us less again at 1 row (run 66).
+RANK_KEYS_PER_PROGRAM = 16
+RANK_KEYS_PER_STEP = 1024
 
 
 def order_keys(part: torch.Tensor, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -466,15 +474,17 @@ def order_keys(part: torch.Tensor, topk: int) -> tuple[torch.Tensor, torch.Tenso
     C = triton.cdiv(N, block)
     c_pow2 = triton.next_power_of_2(C)
     stats = torch.empty(R, C, 3, dtype=torch.int64, device=part.device)
-    hist = torch.zeros(R, 258, dtype=torch.int32, device=part.device)  # 256 bins, then the split's two counters
+    bins = 1 << FIRST_DIGIT_BITS
+    hist = torch.zeros(R, bins + 2, dtype=torch.int32, device=part.device)  # the first digit's bins, the split's two counters
     sel = torch.empty(R, topk, dtype=torch.int64, device=part.device)
     rest = torch.empty_like(part)
     need = torch.empty(R, dtype=torch.int32, device=part.device)
     _chunk_stats_kernel[(R, C)](part, stats, N, BLOCK=block, num_warps=8)
-    _chunk_histogram_kernel[(R, C)](part, stats, hist, N, topk, BLOCK=block, C_POW2=c_pow2, num_warps=8)
-    _chunk_split_kernel[(R, C)](part, stats, hist, sel, rest, N, topk, BLOCK=block, C_POW2=c_pow2, num_warps=8)
-    _select_rest_kernel[(R,)](stats, hist, rest, sel, need, N, C, topk, BLOCK=1024, C_POW2=c_pow2,
-                              GPU=not isinstance(_select_rest_kernel, InterpretedFunction), num_warps=8)
+    first = dict(C_POW2=c_pow2, FIRST_BITS=FIRST_DIGIT_BITS, num_warps=8)
+    _chunk_histogram_kernel[(R, C)](part, stats, hist, N, topk, BLOCK=block, **first)
+    _chunk_split_kernel[(R, C)](part, stats, hist, sel, rest, N, topk, BLOCK=block, **first)
+    _select_rest_kernel[(R,)](stats, hist, rest, sel, need, N, C, topk, BLOCK=1024,
+                              GPU=not isinstance(_select_rest_kernel, InterpretedFunction), **first)
     block_a = min(RANK_KEYS_PER_PROGRAM, triton.next_power_of_2(topk))
     block_b = min(RANK_KEYS_PER_STEP, triton.next_power_of_2(topk))
     _rank_kernel[(R, triton.cdiv(topk, block_a))](sel, need, idx, scores, topk, BLOCK_A=block_a,
