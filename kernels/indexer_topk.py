@@ -274,12 +274,15 @@ def _split_len(history: int, programs: int, target: int, block_s: int) -> int:
 
 # The ordering stage: a radix select of each row's best min(K, real) keys from the splits'
 # KP keys, from the highest bit on which the row's keys differ, then each selected key
-# placed at its rank. The first round (over every key) runs one program per chunk of a row
-# and reads FIRST_DIGIT_BITS bits; the rest (over the keys on the first round's boundary
-# digit) one program per row, 8 bits a round. The first digit is wide because a key's top
-# bits are its score's sign and exponent: with 8 of them, a boundary digit spanning [0.5, 2)
-# handed 28% of a 32K row to the one-program rounds (randn scores, K = 2048).
-FIRST_DIGIT_BITS = 12
+# placed at its rank. The first round (over every key) runs one program per chunk of a row;
+# the rest (over the keys on the first round's boundary digit) one program per row, 8 bits a
+# round. A key's top bits are its score's sign and exponent: with 8 of them, a boundary digit
+# spanning [0.5, 2) handed 28% of a 32K-key row to the one-program rounds (randn scores, K =
+# 2048). Rows of at least WIDE_DIGIT_MIN_KEYS keys therefore start with WIDE_DIGIT_BITS; the
+# wider histogram costs every chunk program, and below that it lost (H100, run 68: 1 x 32K
+# 0.058 against 0.064 ms with 10 bits, 64 x 128K 0.969 against 0.956; 12 bits lost at both).
+WIDE_DIGIT_BITS = 10
+WIDE_DIGIT_MIN_KEYS = 32768
 
 @triton.jit
 def _digit(key, shift, BITS: tl.constexpr = 8):
@@ -389,11 +392,11 @@ def _select_rest_kernel(stats_ptr, hist_ptr, rest_ptr, sel_ptr, need_ptr, N, C, 
     going = (~last) & (left > 0)
     while going:
         shift -= 8
-        hist = tl.zeros([256], tl.int32)
+        counts = tl.zeros([256], tl.int32)
         for c in range(0, n, BLOCK):
             key = tl.load(src + c + offs, mask=c + offs < n, other=NONE, cache_modifier=".cg")
-            hist += tl.histogram(_digit(key, shift).to(tl.int32), 256, mask=c + offs < n)
-        d, above, last = _boundary(hist, left)
+            counts += tl.histogram(_digit(key, shift).to(tl.int32), 256, mask=c + offs < n)
+        d, above, last = _boundary(counts, left)
         kept = tl.zeros([], tl.int32)
         for c in range(0, n, BLOCK):
             key = tl.load(src + c + offs, mask=c + offs < n, other=NONE, cache_modifier=".cg")
@@ -474,13 +477,13 @@ def order_keys(part: torch.Tensor, topk: int) -> tuple[torch.Tensor, torch.Tenso
     C = triton.cdiv(N, block)
     c_pow2 = triton.next_power_of_2(C)
     stats = torch.empty(R, C, 3, dtype=torch.int64, device=part.device)
-    bins = 1 << FIRST_DIGIT_BITS
-    hist = torch.zeros(R, bins + 2, dtype=torch.int32, device=part.device)  # the first digit's bins, the split's two counters
+    first_bits = WIDE_DIGIT_BITS if N >= WIDE_DIGIT_MIN_KEYS else 8
+    hist = torch.zeros(R, (1 << first_bits) + 2, dtype=torch.int32, device=part.device)  # first digit's bins, 2 counters
     sel = torch.empty(R, topk, dtype=torch.int64, device=part.device)
     rest = torch.empty_like(part)
     need = torch.empty(R, dtype=torch.int32, device=part.device)
     _chunk_stats_kernel[(R, C)](part, stats, N, BLOCK=block, num_warps=8)
-    first = dict(C_POW2=c_pow2, FIRST_BITS=FIRST_DIGIT_BITS, num_warps=8)
+    first = dict(C_POW2=c_pow2, FIRST_BITS=first_bits, num_warps=8)
     _chunk_histogram_kernel[(R, C)](part, stats, hist, N, topk, BLOCK=block, **first)
     _chunk_split_kernel[(R, C)](part, stats, hist, sel, rest, N, topk, BLOCK=block, **first)
     _select_rest_kernel[(R,)](stats, hist, rest, sel, need, N, C, topk, BLOCK=1024,

@@ -247,16 +247,19 @@ def test_merge_threshold_keeps_exactly_the_best(real):
     (1, 3, 2048, 2048, 5000), # the bench preset's Top-K, two rank programs' worth of blocks
 ])
 @pytest.mark.parametrize("scores", ["random", "ties", "one value", "negative"])
-@pytest.mark.parametrize("rank_blocks, first_bits", [((16, 1024), 12), ((128, 128), 8)])
-def test_order_keys_equals_torch_topk(rows, splits, kp, topk, real, scores, rank_blocks, first_bits, monkeypatch):
+@pytest.mark.parametrize("rank_blocks, wide_digit", [((16, 1024), (10, 0)), ((128, 128), (12, 0)), ((16, 1024), None)])
+def test_order_keys_equals_torch_topk(rows, splits, kp, topk, real, scores, rank_blocks, wide_digit, monkeypatch):
     """The Triton ordering (radix select + rank) against one torch.topk over the same keys:
     random scores; few distinct scores (the select runs into the position bits); every
     score equal (the first rounds keep everything); negative and huge-magnitude scores. The
-    rank step's blocks and first digit as served, and wider programs comparing narrower
-    steps after an 8-bit first digit (later rounds then start at another bit)."""
+    rank step's blocks as served with the wide first digit on every row (the rounds after
+    it start at another bit than after 8), with a 12-bit one and wider programs comparing
+    narrower steps, and with the served digit rule (these rows are short: 8 bits)."""
     monkeypatch.setattr(_module, "RANK_KEYS_PER_PROGRAM", rank_blocks[0])
     monkeypatch.setattr(_module, "RANK_KEYS_PER_STEP", rank_blocks[1])
-    monkeypatch.setattr(_module, "FIRST_DIGIT_BITS", first_bits)
+    if wide_digit:
+        monkeypatch.setattr(_module, "WIDE_DIGIT_BITS", wide_digit[0])
+        monkeypatch.setattr(_module, "WIDE_DIGIT_MIN_KEYS", wide_digit[1])
     g = torch.Generator().manual_seed(real + topk)
     none = torch.iinfo(torch.int64).min
     part = torch.full((rows, splits * kp), none, dtype=torch.int64)
