@@ -77,6 +77,10 @@ def cases():
             q, w, k, table, row_req, row_len, 2048, block_m=b)))
         out.append((f"indexer_topk[{kind},mxfp8]", lambda b=block_m: indexer_topk.indexer_topk(
             qd, w, kd, table, row_req, row_len, 2048, block_m=b, q_scale=qs, k_scale=ks)))
+    # A row of 32K keys or more (one long decode row's splits) starts its select with the wide digit.
+    keys = indexer_topk.encode_keys_torch(torch.randn(1, indexer_topk.WIDE_DIGIT_MIN_KEYS, generator=g),
+                                          torch.arange(indexer_topk.WIDE_DIGIT_MIN_KEYS).view(1, -1))
+    out.append(("order_keys[wide first digit]", lambda: indexer_topk.order_keys(keys.view(1, 16, -1), 2048)))
     tree = (row_len - rows, torch.full((rows,), 2**rows - 1, dtype=torch.int64))  # verify rows of a draft tree
     out.append(("indexer_topk[tree verify,bf16]", lambda: indexer_topk.indexer_topk(
         q, w, k, table, row_req, row_len, 2048, block_m=_EXTEND_ROW_BLOCK, rows_per_request=rows, tree=tree)))
