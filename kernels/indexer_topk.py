@@ -179,14 +179,20 @@ def _indexer_topk_kernel(
     q_ptr, w_ptr, k_ptr, table_ptr, row_req_ptr, row_len_ptr, block_start_ptr, block_end_ptr,
     qs_ptr, ks_ptr, part_ptr, cand_ptr, tail_start_ptr, tail_bits_ptr, tail_skip_ptr,
     stride_qr, stride_qh, stride_wr, stride_k, stride_table, stride_qsr, stride_qsh, stride_ks,
-    H, SPLIT_LEN,
+    H, SPLIT_LEN, ROWS,
     D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr, KP: tl.constexpr,
     GROUP: tl.constexpr, DOT_DTYPE: tl.constexpr, GPU: tl.constexpr, TREE: tl.constexpr,
+    FIXED_BLOCKS: tl.constexpr,
 ):
     # One program: up to BLOCK_M consecutive rows of one request, sharing every K tile, over
-    # positions [SPLIT_LEN * split, SPLIT_LEN * (split + 1)) of their history.
-    rows = tl.load(block_start_ptr + tl.program_id(0)).to(tl.int64) + tl.arange(0, BLOCK_M)  # offsets pass 2^31
-    live = rows < tl.load(block_end_ptr + tl.program_id(0))
+    # positions [SPLIT_LEN * split, SPLIT_LEN * (split + 1)) of their history. Fixed blocks
+    # (decode, verify) are rows [BLOCK_M * block, BLOCK_M * (block + 1)); others are listed.
+    if FIXED_BLOCKS:
+        rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)  # offsets pass 2^31
+        live = rows < ROWS
+    else:
+        rows = tl.load(block_start_ptr + tl.program_id(0)).to(tl.int64) + tl.arange(0, BLOCK_M)
+        live = rows < tl.load(block_end_ptr + tl.program_id(0))
     req = tl.load(row_req_ptr + rows, mask=live, other=0).to(tl.int64)
     req = tl.max(tl.where(live, req, -1), axis=0)  # the block's request
     n = tl.load(row_len_ptr + rows, mask=live, other=0).to(tl.int64)  # [BLOCK_M]
@@ -239,14 +245,10 @@ def _indexer_topk_kernel(
     _merge_candidates(buf, part, held, count, offs_2k, width, NONE, KP, GPU)
 
 
-def _row_blocks(row_req: torch.Tensor, block_m: int, uniform: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Blocks of at most block_m consecutive rows of one request: (starts, ends). uniform:
-    block_m divides every request's row count, so the blocks are fixed (no data-dependent
-    shapes: the launch captures in a CUDA graph)."""
+def _row_blocks(row_req: torch.Tensor, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Blocks of at most block_m consecutive rows of one request: (starts, ends), for rows
+    whose blocks are not fixed (ragged prefill; data-dependent shapes)."""
     R = row_req.shape[0]
-    if block_m == 1 or uniform:
-        starts = torch.arange(0, R, block_m, device=row_req.device)
-        return starts, starts + block_m
     idx = torch.arange(R, device=row_req.device)
     new_run = torch.ones(R, dtype=torch.bool, device=row_req.device)
     new_run[1:] = row_req[1:] != row_req[:-1]
@@ -318,10 +320,16 @@ def _boundary(hist, rest, BINS: tl.constexpr = 256):
 
 
 @triton.jit
-def _chunk_stats_kernel(part_ptr, stats_ptr, N, BLOCK: tl.constexpr):
-    """Program (row, chunk): its real keys' maximum, minimum and count."""
+def _chunk_stats_kernel(part_ptr, stats_ptr, hist_ptr, N, BLOCK: tl.constexpr, FIRST_BITS: tl.constexpr):
+    """Program (row, chunk): its real keys' maximum, minimum and count; chunk 0 also zeroes
+    the row's histogram and counters (one launch fewer than a fill)."""
     NONE: tl.constexpr = -9223372036854775807 - 1
+    BINS: tl.constexpr = 1 << FIRST_BITS
     row, c = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    if c == 0:
+        bins = tl.arange(0, BINS)
+        tl.store(hist_ptr + row * (BINS + 2) + bins, tl.zeros([BINS], tl.int32))
+        tl.store(hist_ptr + row * (BINS + 2) + BINS + bins, tl.zeros([BINS], tl.int32), mask=bins < 2)
     offs = c * BLOCK + tl.arange(0, BLOCK)
     key = tl.load(part_ptr + row * N + offs, mask=offs < N, other=NONE)
     real = key != NONE
@@ -478,11 +486,11 @@ def order_keys(part: torch.Tensor, topk: int) -> tuple[torch.Tensor, torch.Tenso
     c_pow2 = triton.next_power_of_2(C)
     stats = torch.empty(R, C, 3, dtype=torch.int64, device=part.device)
     first_bits = WIDE_DIGIT_BITS if N >= WIDE_DIGIT_MIN_KEYS else 8
-    hist = torch.zeros(R, (1 << first_bits) + 2, dtype=torch.int32, device=part.device)  # first digit's bins, 2 counters
+    hist = torch.empty(R, (1 << first_bits) + 2, dtype=torch.int32, device=part.device)  # first digit's bins, 2 counters
     sel = torch.empty(R, topk, dtype=torch.int64, device=part.device)
     rest = torch.empty_like(part)
     need = torch.empty(R, dtype=torch.int32, device=part.device)
-    _chunk_stats_kernel[(R, C)](part, stats, N, BLOCK=block, num_warps=8)
+    _chunk_stats_kernel[(R, C)](part, stats, hist, N, BLOCK=block, FIRST_BITS=first_bits, num_warps=8)
     first = dict(C_POW2=c_pow2, FIRST_BITS=first_bits, num_warps=8)
     _chunk_histogram_kernel[(R, C)](part, stats, hist, N, topk, BLOCK=block, **first)
     _chunk_split_kernel[(R, C)](part, stats, hist, sel, rest, N, topk, BLOCK=block, **first)
@@ -596,24 +604,28 @@ def indexer_topk(
     scores = torch.empty(R, topk, dtype=torch.float32, device=q.device)
     if R:
         weights = weights.float()
-        starts, ends = _row_blocks(row_req, block_m, uniform=bool(rows_per_request))
+        # Fixed blocks: one row each, or rows_per_request a multiple of block_m. The kernel
+        # finds their rows itself, and the launch captures in a CUDA graph.
+        fixed = block_m == 1 or bool(rows_per_request)
+        starts, ends = (row_req, row_req) if fixed else _row_blocks(row_req, block_m)  # unused when fixed
+        blocks = triton.cdiv(R, block_m) if fixed else starts.shape[0]
         block_h = max(triton.next_power_of_2(H), 16 // block_m)  # the dot needs N = block_m * block_h >= 16
         if programs is None:
             programs = 2 * torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 1
         history = max(req_to_token.shape[1], 1)
-        split_len = _split_len(history, starts.shape[0], programs, block_s)
+        split_len = _split_len(history, blocks, programs, block_s)
         splits = triton.cdiv(history, split_len)
         part = torch.empty(R, splits, min(kp, split_len), dtype=torch.int64, device=q.device)
-        cand = torch.empty(starts.shape[0] * splits * block_m * 2 * kp, dtype=torch.int64, device=q.device)
-        _indexer_topk_kernel[(starts.shape[0], splits)](
+        cand = torch.empty(blocks * splits * block_m * 2 * kp, dtype=torch.int64, device=q.device)
+        _indexer_topk_kernel[(blocks, splits)](
             q, weights, index_k, req_to_token, row_req, row_len, starts, ends, q_scale, k_scale, part, cand,
             *((row_len,) * 3 if tree is None else (tail_start, tail_bits, tail_skip)),
             q.stride(0), q.stride(1), weights.stride(0), index_k.stride(0), req_to_token.stride(0),
             q_scale.stride(0), q_scale.stride(1), k_scale.stride(0),
-            H, split_len,
+            H, split_len, R,
             D=D, BLOCK_M=block_m, BLOCK_H=block_h, BLOCK_S=block_s, KP=kp, GROUP=group, DOT_DTYPE=dot_dtype,
             GPU=not isinstance(_indexer_topk_kernel, InterpretedFunction), TREE=tree is not None,
-            num_warps=num_warps, num_stages=num_stages,
+            FIXED_BLOCKS=fixed, num_warps=num_warps, num_stages=num_stages,
         )
         order = order_keys if R * kp * kp <= ORDER_KEYS_WORK else order_keys_torch
         idx, scores = order(part, topk)

@@ -277,6 +277,19 @@ def test_order_keys_equals_torch_topk(rows, splits, kp, topk, real, scores, rank
     assert torch.equal(got.cpu(), ref_scores)
 
 
+@pytest.mark.parametrize("first_bits", [8, 10])
+def test_chunk_stats_zero_the_histogram_whatever_it_held(first_bits):
+    """order_keys takes its histogram and counters from torch.empty: the stats launch
+    zeroes them (chunk 0 of each row), and nothing else may be left in them."""
+    R, N, block = 2, 4096, 2048
+    part = _module.encode_keys_torch(torch.randn(R, N), torch.arange(N).repeat(R, 1)).to(DEVICE)
+    hist = torch.full((R, (1 << first_bits) + 2), 7, dtype=torch.int32, device=DEVICE)
+    stats = torch.empty(R, N // block, 3, dtype=torch.int64, device=DEVICE)
+    _module._chunk_stats_kernel[(R, N // block)](part, stats, hist, N, BLOCK=block, FIRST_BITS=first_bits)
+    assert torch.equal(hist.cpu(), torch.zeros_like(hist.cpu()))
+    assert torch.equal(stats[:, :, 2].sum(1).cpu(), torch.full((R,), N))
+
+
 def _assert_match_up_to_near_ties(idx, scores, ref_idx, ref_scores):
     """Scores to rounding; positions equal except where rounding reorders a near tie."""
     torch.testing.assert_close(scores.cpu(), ref_scores.cpu(), rtol=1e-5, atol=1e-5)
