@@ -513,6 +513,10 @@ ORDER_KEYS_WORK = 64 * 2048 * 2048
 RANK_KEYS_PER_PROGRAM = 16
 RANK_KEYS_PER_STEP = 1024
 
+# Keys per program of the first select round's chunk launches (stats, histogram, split):
+# each chunk adds its histogram to the row's with global atomics, one per occupied bin.
+ORDER_CHUNK_KEYS = 2048
+
 
 def order_keys(part: torch.Tensor, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
     """[R, splits, width] unordered keys (NONE where there is none) -> the best topk positions
@@ -529,7 +533,7 @@ def order_keys(part: torch.Tensor, topk: int) -> tuple[torch.Tensor, torch.Tenso
     scores = torch.empty(R, topk, dtype=torch.float32, device=part.device)
     if R == 0 or topk == 0:
         return idx, scores
-    block = min(2048, triton.next_power_of_2(N))
+    block = min(ORDER_CHUNK_KEYS, triton.next_power_of_2(N))
     C = triton.cdiv(N, block)
     c_pow2 = triton.next_power_of_2(C)
     stats = torch.empty(R, C, 3, dtype=torch.int64, device=part.device)
