@@ -151,8 +151,8 @@ def _top_threshold_by_bytes(keys, KP: tl.constexpr):
     t = tl.zeros([BLOCK_M], tl.int64)  # the prefix, in u's bits
     shift = tl.full([], 56, tl.int64)
     while (shift >= 0) & (tl.max(need, axis=0) > 0):
-        above = tl.minimum(shift + 8, 63)  # the prefix's bits (all keys in the first round)
-        on = real & (need[:, None] > 0) & ((shift == 56) | ((u >> above) == (t[:, None] >> above)))
+        prefix_low = tl.minimum(shift + 8, 63)  # the prefix's lowest bit (no prefix in the first round)
+        on = real & (need[:, None] > 0) & ((shift == 56) | ((u >> prefix_low) == (t[:, None] >> prefix_low)))
         digit = ((u >> shift) & 255).to(tl.int32) + tl.arange(0, BLOCK_M)[:, None] * 256
         hist = tl.reshape(tl.histogram(tl.reshape(digit, [BLOCK_M * N]), BLOCK_M * 256,
                                        mask=tl.reshape(on, [BLOCK_M * N])), [BLOCK_M, 256])
