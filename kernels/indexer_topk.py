@@ -123,7 +123,7 @@ MERGE_RADIX_BITS = 2
 
 
 @triton.jit
-def _top_threshold(keys, KP: tl.constexpr, RADIX_BITS: tl.constexpr = 2):
+def _top_threshold(keys, KP: tl.constexpr, RADIX_BITS: tl.constexpr):
     """Per row of keys [BLOCK_M, N] (NONE, the int64 minimum, where there is none), a
     threshold t with exactly KP keys >= t (all real keys when there are at most KP; t is
     then NONE), RADIX_BITS bits a pass (MERGE_RADIX_BITS)."""
