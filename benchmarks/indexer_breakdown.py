@@ -56,7 +56,7 @@ def _scoring_kernel(q_ptr, w_ptr, k_ptr, table_ptr, row_len_ptr, out_ptr, stride
 
 
 @triton.jit
-def _merge_kernel(buf_ptr, REPS, KP: tl.constexpr, RADIX_BITS: tl.constexpr):
+def _merge_kernel(buf_ptr, REPS, KP: tl.constexpr):
     """REPS merges of a full candidate buffer into a full running Top-KP, in place."""
     NONE: tl.constexpr = -9223372036854775807 - 1
     buf = buf_ptr + tl.program_id(0).to(tl.int64) * 2 * KP + tl.zeros([1, 1], tl.int64)
@@ -65,7 +65,7 @@ def _merge_kernel(buf_ptr, REPS, KP: tl.constexpr, RADIX_BITS: tl.constexpr):
         # The candidates region keeps its keys, so every merge takes a full buffer again (the
         # duplicates this makes change what is kept, not the work).
         held, bar, _ = _merge_candidates(buf, buf, held, tl.full([1], KP, tl.int32), tl.arange(0, 2 * KP), KP,
-                                         NONE, KP, True, RADIX_BITS)
+                                         NONE, KP, True)
 
 
 def scoring_launch(q, w, k, table, row_len, topk: int, programs: int, block_s: int = 128, num_warps: int = 4,
@@ -97,7 +97,7 @@ def merge_launch(topk: int, programs: int, reps: int, device, num_warps: int = 4
     buf = ((ordered << 32) | (0x7FFFFFFF - torch.randperm(programs * 2 * kp).view(programs, 2 * kp))).to(device)
 
     def run():
-        _merge_kernel[(programs,)](buf, reps, KP=kp, RADIX_BITS=indexer_topk.MERGE_RADIX_BITS, num_warps=num_warps)
+        _merge_kernel[(programs,)](buf, reps, KP=kp, num_warps=num_warps)
     return run
 
 

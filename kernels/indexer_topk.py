@@ -117,58 +117,11 @@ def _after_barrier(x, GPU: tl.constexpr):
     return x
 
 
-# How the merge finds its threshold: 2 (three candidate thresholds a pass, counted in one
-# packed reduction) or 8 (a byte a round: a 256-bin histogram of the keys on the boundary).
-MERGE_RADIX_BITS = 2
-
-
 @triton.jit
-def _top_threshold(keys, KP: tl.constexpr, RADIX_BITS: tl.constexpr):
+def _top_threshold(keys, KP: tl.constexpr):
     """Per row of keys [BLOCK_M, N] (NONE, the int64 minimum, where there is none), a
     threshold t with exactly KP keys >= t (all real keys when there are at most KP; t is
-    then NONE), RADIX_BITS bits a pass (MERGE_RADIX_BITS)."""
-    if RADIX_BITS == 8:
-        t = _top_threshold_by_bytes(keys, KP)
-    else:
-        t = _top_threshold_by_pairs(keys, KP)
-    return t
-
-
-@triton.jit
-def _top_threshold_by_bytes(keys, KP: tl.constexpr):
-    """_top_threshold a byte a round, from the top: per row, a 256-bin histogram of the
-    next byte of the keys still on the boundary prefix; the byte holding the KP-th best
-    extends the prefix, and a row is done once exactly KP keys reach it (about 3 rounds
-    for 2 KP keys of normal scores: sign and exponent, then mantissa)."""
-    NONE: tl.constexpr = -9223372036854775807 - 1
-    BLOCK_M: tl.constexpr = keys.shape[0]
-    N: tl.constexpr = keys.shape[1]
-    real = keys > NONE
-    u = keys ^ NONE  # the bits in unsigned order
-    bins = tl.arange(0, 256)[None, :]
-    more = tl.sum(real.to(tl.int32), axis=1) > KP  # rows with at most KP real keys keep them all
-    need = tl.where(more, KP, 0)  # [BLOCK_M] keys still to find on the prefix; 0 once done
-    t = tl.zeros([BLOCK_M], tl.int64)  # the prefix, in u's bits
-    shift = tl.full([], 56, tl.int64)
-    while (shift >= 0) & (tl.max(need, axis=0) > 0):
-        prefix_low = tl.minimum(shift + 8, 63)  # the prefix's lowest bit (no prefix in the first round)
-        on = real & (need[:, None] > 0) & ((shift == 56) | ((u >> prefix_low) == (t[:, None] >> prefix_low)))
-        digit = ((u >> shift) & 255).to(tl.int32) + tl.arange(0, BLOCK_M)[:, None] * 256
-        hist = tl.reshape(tl.histogram(tl.reshape(digit, [BLOCK_M * N]), BLOCK_M * 256,
-                                       mask=tl.reshape(on, [BLOCK_M * N])), [BLOCK_M, 256])
-        ge = tl.sum(hist, axis=1)[:, None] - tl.cumsum(hist, axis=1) + hist  # on this byte or above
-        d = tl.max(tl.where(ge >= need[:, None], bins, 0), axis=1)
-        ge_d = tl.sum(tl.where(bins == d[:, None], ge, 0), axis=1)
-        on_d = tl.sum(tl.where(bins == d[:, None], hist, 0), axis=1)
-        t = tl.where(need > 0, t | (d.to(tl.int64) << shift), t)
-        need = tl.where((need > 0) & (ge_d > need), need - (ge_d - on_d), 0)
-        shift -= 8
-    return tl.where(more, t ^ NONE, NONE)
-
-
-@triton.jit
-def _top_threshold_by_pairs(keys, KP: tl.constexpr):
-    """_top_threshold built from the sign down, two bits a pass: the three candidate thresholds'
+    then NONE). Built from the sign down, two bits a pass: the three candidate thresholds'
     counts are packed in 16-bit fields of one int64, so a pass is one block-wide reduction
     (no sort: Triton's sort of 4096 keys took 113 us on the H200, run 19). It stops as soon
     as every row has exactly KP keys at or above its threshold, which is when the prefix
@@ -198,7 +151,7 @@ def _top_threshold_by_pairs(keys, KP: tl.constexpr):
 
 @triton.jit
 def _merge_candidates(buf, dst, held, count, offs_2k, width, NONE: tl.constexpr, KP: tl.constexpr,
-                      GPU: tl.constexpr, RADIX_BITS: tl.constexpr):
+                      GPU: tl.constexpr):
     """Keep the best KP of the running Top-KP (buf[:held]) and the candidates (buf[KP:KP +
     count]), unordered, in dst[:width] (NONE past them; width <= KP holds them all when
     fewer than width keys were ever seen): (how many were kept, the new bar, 0)."""
@@ -206,7 +159,7 @@ def _merge_candidates(buf, dst, held, count, offs_2k, width, NONE: tl.constexpr,
     valid = tl.where(offs_2k[None, :] < KP, offs_2k[None, :] < held[:, None], offs_2k[None, :] - KP < count[:, None])
     keys = tl.load(buf + offs_2k[None, :], mask=valid & (waiting >= 0), other=NONE,  # after the block's stores
                    cache_modifier=".cg")
-    keep = (keys > NONE) & (keys >= _top_threshold(keys, KP, RADIX_BITS)[:, None])
+    keep = (keys > NONE) & (keys >= _top_threshold(keys, KP)[:, None])
     at = tl.cumsum(keep.to(tl.int32), axis=1) - 1
     kept = tl.sum(keep.to(tl.int32), axis=1)
     # The bar is the KP-th best key itself once KP are held (the threshold may sit below it).
@@ -229,7 +182,7 @@ def _indexer_topk_kernel(
     H, SPLIT_LEN, ROWS,
     D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr, KP: tl.constexpr,
     GROUP: tl.constexpr, DOT_DTYPE: tl.constexpr, GPU: tl.constexpr, TREE: tl.constexpr,
-    FIXED_BLOCKS: tl.constexpr, MERGE_RADIX_BITS: tl.constexpr,
+    FIXED_BLOCKS: tl.constexpr,
 ):
     # One program: up to BLOCK_M consecutive rows of one request, sharing every K tile, over
     # positions [SPLIT_LEN * split, SPLIT_LEN * (split + 1)) of their history. Fixed blocks
@@ -284,13 +237,12 @@ def _indexer_topk_kernel(
             tl.store(buf + KP + at, key, mask=beats)
             count += tl.sum(beats.to(tl.int32), axis=1)
             if tl.max(count, axis=0) > KP - BLOCK_S:  # the buffer might not take the next tile
-                held, bar, count = _merge_candidates(buf, buf, held, count, offs_2k, KP, NONE, KP, GPU,
-                                                     MERGE_RADIX_BITS)
+                held, bar, count = _merge_candidates(buf, buf, held, count, offs_2k, KP, NONE, KP, GPU)
     # The split's best min(KP, SPLIT_LEN) keys, unordered; order_keys ranks them across splits.
     width = tl.minimum(SPLIT_LEN, KP)
     part = part_ptr + (rows[:, None] * tl.num_programs(1) + tl.program_id(1)) * width
     part = tl.where(live[:, None], part, buf + KP)  # a block's rows past its end write into their own buffer
-    _merge_candidates(buf, part, held, count, offs_2k, width, NONE, KP, GPU, MERGE_RADIX_BITS)
+    _merge_candidates(buf, part, held, count, offs_2k, width, NONE, KP, GPU)
 
 
 def _row_blocks(row_req: torch.Tensor, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -677,7 +629,7 @@ def indexer_topk(
             H, split_len, R,
             D=D, BLOCK_M=block_m, BLOCK_H=block_h, BLOCK_S=block_s, KP=kp, GROUP=group, DOT_DTYPE=dot_dtype,
             GPU=not isinstance(_indexer_topk_kernel, InterpretedFunction), TREE=tree is not None,
-            FIXED_BLOCKS=fixed, MERGE_RADIX_BITS=MERGE_RADIX_BITS, num_warps=num_warps, num_stages=num_stages,
+            FIXED_BLOCKS=fixed, num_warps=num_warps, num_stages=num_stages,
         )
         order = order_keys if R * kp * kp <= ORDER_KEYS_WORK else order_keys_torch
         idx, scores = order(part, topk)

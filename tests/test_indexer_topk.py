@@ -189,12 +189,10 @@ def test_splits_shorter_than_k_hand_over_every_key(programs):
 
 @pytest.mark.parametrize("order", ["rising", "falling"])
 @pytest.mark.parametrize("block_m", [1, 2])
-@pytest.mark.parametrize("merge_radix_bits", [2, 8])
-def test_histories_that_only_rise_or_only_fall(order, block_m, merge_radix_bits, monkeypatch):
+def test_histories_that_only_rise_or_only_fall(order, block_m):
     """Scores that rise with position make every key beat the bar (the candidate buffer fills
     and is merged every few tiles); scores that fall let no key in after the first KP. Both
-    select exactly what the reference selects, with either merge threshold."""
-    monkeypatch.setattr(_module, "MERGE_RADIX_BITS", merge_radix_bits)
+    select exactly what the reference selects."""
     args = list(_case([400, 399], [0, 0], 2, 16, 400, integer=True, dtype=torch.float32))
     q, w, k, slots = args[:4]
     value = torch.arange(400, dtype=torch.float32) if order == "rising" else 400.0 - torch.arange(400)
@@ -209,9 +207,8 @@ def test_histories_that_only_rise_or_only_fall(order, block_m, merge_radix_bits,
     assert torch.equal(scores.cpu(), ref_scores.cpu())
 
 
-@pytest.mark.parametrize("radix_bits", [2, 8])
 @pytest.mark.parametrize("real", [0, 5, 16, 17, 32])
-def test_merge_threshold_keeps_exactly_the_best(real, radix_bits):
+def test_merge_threshold_keeps_exactly_the_best(real):
     """The merge's threshold on raw keys, 2 KP = 32 per row: no real key, fewer than KP, exactly KP,
     one more, all real; negative and positive keys; keys that differ only in the low word
     (the passes run to bit 0), and a row that settles after its first pass."""
@@ -219,9 +216,9 @@ def test_merge_threshold_keeps_exactly_the_best(real, radix_bits):
     import triton.language as tl
 
     @triton.jit
-    def kernel(keys_ptr, out_ptr, KP: tl.constexpr, RADIX_BITS: tl.constexpr):
+    def kernel(keys_ptr, out_ptr, KP: tl.constexpr):
         offs = tl.arange(0, 4)[:, None] * (2 * KP) + tl.arange(0, 2 * KP)[None, :]
-        tl.store(out_ptr + tl.arange(0, 4), _module._top_threshold(tl.load(keys_ptr + offs), KP, RADIX_BITS))
+        tl.store(out_ptr + tl.arange(0, 4), _module._top_threshold(tl.load(keys_ptr + offs), KP))
 
     g = torch.Generator().manual_seed(real)
     none = torch.iinfo(torch.int64).min
@@ -234,7 +231,7 @@ def test_merge_threshold_keeps_exactly_the_best(real, radix_bits):
     keys[:, real:] = none
     keys = keys.contiguous().to(DEVICE)
     t = torch.empty(4, dtype=torch.int64, device=DEVICE)
-    kernel[(1,)](keys, t, KP=16, RADIX_BITS=radix_bits)
+    kernel[(1,)](keys, t, KP=16)
     for row, thr in zip(keys.cpu(), t.cpu()):
         kept = row[(row > none) & (row >= thr)]
         best = row[row > none].sort(descending=True).values[:16]
@@ -303,9 +300,7 @@ def _assert_match_up_to_near_ties(idx, scores, ref_idx, ref_scores):
 
 
 @pytest.mark.parametrize("row_lens, reqs, H, D, topk", SHAPES[2:])
-@pytest.mark.parametrize("merge_radix_bits", [2, 8])
-def test_random_inputs_match_reference(row_lens, reqs, H, D, topk, merge_radix_bits, monkeypatch):
-    monkeypatch.setattr(_module, "MERGE_RADIX_BITS", merge_radix_bits)
+def test_random_inputs_match_reference(row_lens, reqs, H, D, topk):
     args = _case(row_lens, reqs, H, D, max(row_lens), integer=False, dtype=torch.float32, seed=1)
     idx, scores = indexer_topk(*args, topk, return_scores=True, block_s=16)
     ref_idx, ref_scores = indexer_topk_torch(*args, topk, return_scores=True)
