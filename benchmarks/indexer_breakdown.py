@@ -27,12 +27,13 @@ import triton.language as tl
 from triton.testing import do_bench_cudagraph
 
 from sglang_hybrid.kernels import indexer_topk
-from sglang_hybrid.kernels.indexer_topk import _merge_candidates, _tile_keys
+from sglang_hybrid.kernels.indexer_topk import _load_queries, _merge_candidates, _tile_keys
 
 
 @triton.jit
-def _scoring_kernel(q_ptr, w_ptr, k_ptr, table_ptr, row_len_ptr, out_ptr, stride_qr, stride_qh, stride_wr, stride_k,
-                    stride_table, H, SPLIT_LEN, D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr,
+def _scoring_kernel(q_ptr, w_ptr, k_ptr, table_ptr, row_len_ptr, out_ptr, qs_ptr, ks_ptr, stride_qr, stride_qh,
+                    stride_wr, stride_k, stride_table, stride_qsr, stride_qsh, stride_ks, H, SPLIT_LEN,
+                    D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr, GROUP: tl.constexpr,
                     DOT_DTYPE: tl.constexpr):
     """indexer_topk's tile loop for one decode row (its own request) and one split, keeping
     the elementwise maximum key of each lane instead of a Top-K."""
@@ -42,15 +43,15 @@ def _scoring_kernel(q_ptr, w_ptr, k_ptr, table_ptr, row_len_ptr, out_ptr, stride
     n = tl.load(row_len_ptr + rows).to(tl.int64)
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, D)
-    q = tl.load(q_ptr + row * stride_qr + offs_h[:, None] * stride_qh + offs_d[None, :], mask=offs_h[:, None] < H,
-                other=0.0)
+    q = _load_queries(q_ptr, qs_ptr, rows, rows >= 0, H, stride_qr, stride_qh, stride_qsr, stride_qsh, D, BLOCK_H,
+                      GROUP, DOT_DTYPE)
     w = tl.load(w_ptr + row * stride_wr + offs_h[None, :], mask=offs_h[None, :] < H, other=0.0).to(tl.float32)
     lo = tl.program_id(1).to(tl.int64) * SPLIT_LEN
     n_max = tl.minimum(tl.max(n, axis=0), lo + SPLIT_LEN)
     best = tl.full([1, BLOCK_S], NONE, tl.int64)
     for s0 in range(lo, n_max, BLOCK_S):
-        key = _tile_keys(s0, n, n_max, row.to(tl.int64), q, w, table_ptr, k_ptr, k_ptr, stride_table, stride_k, 0,
-                         offs_d, n, n, n, NONE, D, 1, BLOCK_H, BLOCK_S, 0, DOT_DTYPE, False)
+        key = _tile_keys(s0, n, n_max, row.to(tl.int64), q, w, table_ptr, k_ptr, ks_ptr, stride_table, stride_k,
+                         stride_ks, offs_d, n, n, n, NONE, D, 1, BLOCK_H, BLOCK_S, GROUP, DOT_DTYPE, False)
         best = tl.maximum(best, key)
     tl.store(out_ptr + (row * tl.num_programs(1) + tl.program_id(1)) * BLOCK_S + tl.arange(0, BLOCK_S)[None, :], best)
 
@@ -69,21 +70,23 @@ def _merge_kernel(buf_ptr, REPS, KP: tl.constexpr):
 
 
 def scoring_launch(q, w, k, table, row_len, topk: int, programs: int, block_s: int = 128, num_warps: int = 4,
-                   num_stages: int = 3):
+                   num_stages: int = 3, q_scale=None, k_scale=None):
     """A launch of the tile loop alone at indexer_topk's grid for these decode rows (one per
-    request) when it runs `programs` programs."""
+    request) when it runs `programs` programs; MXFP8 with q_scale and k_scale, as indexer_topk."""
     R, H, Dh = q.shape
     block_s = min(block_s, triton.next_power_of_2(topk))  # as indexer_topk caps its tiles
     split_len = indexer_topk._split_len(table.shape[1], R, programs, block_s)
     splits = triton.cdiv(table.shape[1], split_len)
     out = torch.empty(R, splits, block_s, dtype=torch.int64, device=q.device)
     w = w.float()
+    group = Dh // q_scale.shape[-1] if q_scale is not None else 0
+    qs, ks = (q_scale, k_scale) if group else (q, k)  # unused placeholders without MXFP8
 
     def run():
-        _scoring_kernel[(R, splits)](q, w, k, table, row_len, out, q.stride(0), q.stride(1), w.stride(0), k.stride(0),
-                                     table.stride(0), H, split_len, D=Dh, BLOCK_H=triton.next_power_of_2(H),
-                                     BLOCK_S=block_s, DOT_DTYPE=tl.bfloat16, num_warps=num_warps,
-                                     num_stages=num_stages)
+        _scoring_kernel[(R, splits)](q, w, k, table, row_len, out, qs, ks, q.stride(0), q.stride(1), w.stride(0),
+                                     k.stride(0), table.stride(0), qs.stride(0), qs.stride(1), ks.stride(0), H,
+                                     split_len, D=Dh, BLOCK_H=triton.next_power_of_2(H), BLOCK_S=block_s, GROUP=group,
+                                     DOT_DTYPE=tl.bfloat16, num_warps=num_warps, num_stages=num_stages)
     return run
 
 

@@ -11,7 +11,8 @@ Each variant's selection must equal the first's (all are exact).
         --variant new-split2=/tmp/new.py@MIN_SPLIT_TILES=2 --case decode:1x32768 --out $OUT/ab.json
 
 A path followed by @NAME=VALUE (repeatable) loads that file with the module constant NAME
-set to VALUE (a number). Decode only (CUDA-graph medians, BF16, 4 warps); the variants are
+set to VALUE (a number). Decode only (CUDA-graph medians, BF16 or with --mxfp8 the MXFP8
+index cache and queries, group 32; 4 warps); the variants are
 timed in order, then again in reverse order, and both are kept; each variant's GPU time per
 kernel comes from the torch profiler (kernel_us).
 """
@@ -28,6 +29,7 @@ import torch
 from triton.testing import do_bench_cudagraph
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from sglang_hybrid.kernels import mxfp8  # noqa: E402
 from sparse_path_timing import D, HI, TOPK, hbm_copy_gbps, paged_history, parse_case, unfused_indexer  # noqa: E402
 
 
@@ -57,11 +59,21 @@ def kernel_us(fn, reps: int = 10) -> dict[str, float]:
     return {e.key[:80]: round(e.device_time_total / reps, 2) for e in prof.key_averages() if e.device_time_total > 0}
 
 
+def overlap(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Mean over rows of |a's positions & b's| / |b's| (the -1 padding excluded)."""
+    hits = real = 0
+    for x, y in zip(a.tolist(), b.tolist()):
+        y = {p for p in y if p >= 0}
+        hits, real = hits + len(y & set(x)), real + len(y)
+    return hits / max(real, 1)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--variant", action="append", required=True, metavar="NAME=PATH[@CONSTANT=VALUE...]")
     ap.add_argument("--case", action="append", required=True, metavar="decode:BATCHxHISTORY")
     ap.add_argument("--out", required=True)
+    ap.add_argument("--mxfp8", action="store_true", help="MXFP8 queries and index-K cache (group 32)")
     args = ap.parse_args()
     variants = [load_variant(v) for v in args.variant]
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -76,28 +88,36 @@ def main() -> None:
         row_req = torch.arange(reqs, device="cuda", dtype=torch.int32)
         row_len = torch.full((reqs,), length, device="cuda", dtype=torch.int32)
         byte_floor_ms = (reqs * length * D * 2 + q.numel() * 2) / bw / 1e6
-        case = {"requests": reqs, "history": length, "byte_floor_ms": byte_floor_ms}
+        scales = {}
+        if args.mxfp8:  # the unfused baseline keeps the BF16 inputs; the byte floor is MXFP8's own
+            (q8, scales["q_scale"]), (k8, scales["k_scale"]) = mxfp8.quantize_mxfp8(q), mxfp8.quantize_mxfp8(k)
+            byte_floor_ms = (reqs * length * (D + D // 32) + q8.numel() + scales["q_scale"].numel()) / bw / 1e6
+        case = {"requests": reqs, "history": length, "index": "mxfp8" if args.mxfp8 else "bf16",
+                "byte_floor_ms": byte_floor_ms}
 
-        def time(module):
-            return do_bench_cudagraph(lambda: module.indexer_topk(q, w, k, table, row_req, row_len, TOPK),
-                                      return_mode="median")
+        def run(module):
+            if args.mxfp8:
+                return lambda: module.indexer_topk(q8, w, k8, table, row_req, row_len, TOPK, **scales)
+            return lambda: module.indexer_topk(q, w, k, table, row_req, row_len, TOPK)
 
-        first = variants[0][1].indexer_topk(q, w, k, table, row_req, row_len, TOPK)
+        first = run(variants[0][1])()
         for name, module in variants:
-            case[f"same_as_{variants[0][0]}[{name}]"] = bool(torch.equal(
-                module.indexer_topk(q, w, k, table, row_req, row_len, TOPK), first))
+            got = run(module)()
+            case[f"same_as_{variants[0][0]}[{name}]"] = bool(torch.equal(got, first))
+            if not torch.equal(got, first):  # rounding (an FP8 MMA's accumulation) may swap near ties
+                case[f"overlap_with_{variants[0][0]}[{name}]"] = overlap(got, first)
         for name, module in variants:
-            case[f"kernel_us[{name}]"] = kernel_us(lambda: module.indexer_topk(q, w, k, table, row_req, row_len, TOPK))
+            case[f"kernel_us[{name}]"] = kernel_us(run(module))
         for order in (variants, variants[::-1]):
             for name, module in order:
-                case.setdefault(f"fused_ms[{name}]", []).append(time(module))
+                case.setdefault(f"fused_ms[{name}]", []).append(do_bench_cudagraph(run(module), return_mode="median"))
         case["unfused_ms"] = do_bench_cudagraph(
             lambda: unfused_indexer(q, w, k, table, row_req, row_len, TOPK, one_request=False), return_mode="median")
         for name, _ in variants:
             best = min(case[f"fused_ms[{name}]"])
             case[f"speedup_vs_unfused[{name}]"] = case["unfused_ms"] / best
             case[f"fraction_of_hbm[{name}]"] = byte_floor_ms / best
-        del k, q
+        del k, q, scales
         torch.cuda.empty_cache()
         results["cases"].append(case)
         print(json.dumps(case), flush=True)

@@ -79,6 +79,25 @@ def _e8m0(byte):
 
 
 @triton.jit
+def _load_queries(q_ptr, qs_ptr, rows, live, H, stride_qr, stride_qh, stride_qsr, stride_qsh,
+                  D: tl.constexpr, BLOCK_H: tl.constexpr, GROUP: tl.constexpr, DOT_DTYPE: tl.constexpr):
+    """The query heads of rows [BLOCK_M] (zero where not live or past H) as the dot's
+    [BLOCK_M x BLOCK_H, D] operand. MXFP8 is dequantized on load: e4m3 x 2^e is exact in
+    bf16, so the dot stays exact."""
+    BLOCK_M: tl.constexpr = rows.shape[0]
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, D)
+    qmask = live[:, None, None] & (offs_h[None, :, None] < H)
+    q = tl.load(q_ptr + rows[:, None, None] * stride_qr + offs_h[None, :, None] * stride_qh + offs_d[None, None, :],
+                mask=qmask, other=0.0)
+    if GROUP:
+        qs = tl.load(qs_ptr + rows[:, None, None] * stride_qsr + offs_h[None, :, None] * stride_qsh
+                     + (offs_d // GROUP)[None, None, :], mask=qmask, other=127)
+        q = q.to(tl.float32) * _e8m0(qs)
+    return tl.reshape(q.to(DOT_DTYPE), [BLOCK_M * BLOCK_H, D])
+
+
+@triton.jit
 def _tile_keys(s0, n, n_max, req, q, w, table_ptr, k_ptr, ks_ptr, stride_table, stride_k, stride_ks, offs_d,
                tail0, tail_bits, tail_skip,
                NONE: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr,
@@ -205,14 +224,8 @@ def _indexer_topk_kernel(
         tail_skip = tl.load(tail_skip_ptr + rows, mask=live, other=0).to(tl.int64)
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, D)
-    qmask = live[:, None, None] & (offs_h[None, :, None] < H)
-    q = tl.load(q_ptr + rows[:, None, None] * stride_qr + offs_h[None, :, None] * stride_qh + offs_d[None, None, :],
-                mask=qmask, other=0.0)
-    if GROUP:  # MXFP8: dequantize on load; e4m3 x 2^e is exact in bf16, so the dot stays exact
-        qs = tl.load(qs_ptr + rows[:, None, None] * stride_qsr + offs_h[None, :, None] * stride_qsh
-                     + (offs_d // GROUP)[None, None, :], mask=qmask, other=127)
-        q = q.to(tl.float32) * _e8m0(qs)
-    q = tl.reshape(q.to(DOT_DTYPE), [BLOCK_M * BLOCK_H, D])
+    q = _load_queries(q_ptr, qs_ptr, rows, live, H, stride_qr, stride_qh, stride_qsr, stride_qsh, D, BLOCK_H, GROUP,
+                      DOT_DTYPE)
     w = tl.load(w_ptr + rows[:, None] * stride_wr + offs_h[None, :], mask=live[:, None] & (offs_h[None, :] < H),
                 other=0.0).to(tl.float32)  # [BLOCK_M, BLOCK_H]
 
@@ -467,6 +480,7 @@ RANK_KEYS_PER_STEP = 1024
 
 # Keys per program of the first select round's chunk launches (stats, histogram, split):
 # each chunk adds its histogram to the row's with global atomics, one per occupied bin.
+# 4096 (half the programs and atomics) lost 3-4 us at one row and tied elsewhere (H100, run 70).
 ORDER_CHUNK_KEYS = 2048
 
 

@@ -104,6 +104,8 @@ def cases():
     import indexer_breakdown
     out.append(("indexer_breakdown[scoring]", lambda: indexer_breakdown.scoring_launch(
         q, w, k, table.expand(rows, hist).contiguous(), row_len, 2048, programs=264)()))
+    out.append(("indexer_breakdown[scoring,mxfp8]", lambda: indexer_breakdown.scoring_launch(
+        qd, w, kd, table.expand(rows, hist).contiguous(), row_len, 2048, programs=264, q_scale=qs, k_scale=ks)()))
     out.append(("indexer_breakdown[merge]", lambda: indexer_breakdown.merge_launch(2048, 264, 2, "cpu")()))
     return out
 
