@@ -577,7 +577,9 @@ def indexer_topk(
     splits' Top-Ks are merged by the torch.topk that orders them anyway: a few KP-wide rows
     per query row, never a score per position. num_warps: per program. num_stages: Triton's software
     pipelining depth for the tile loads (loading the next tile by hand into registers
-    instead measured no faster, run 18). block_s: positions per tile; 128 measured
+    instead measured no faster, run 18); the page-table lookup takes one stage of it, and
+    below 5 no tile loads while another computes (tests/compile_for_sm90.py reports it as
+    loop_copy_wait; deeper is unmeasured). block_s: positions per tile; 128 measured
     fastest on the H200 (run 18), and two such programs still fit on one SM.
     rows_per_request: every request has this many consecutive rows (speculative verify):
     row blocks are then fixed, and the launch captures in a CUDA graph like decode's.

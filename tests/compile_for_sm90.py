@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 import time
 
@@ -110,6 +111,15 @@ def cases():
     return out
 
 
+def _loop_copy_wait(ptx: str) -> int | None:
+    """N of the first `cp.async.wait_group N` in the kernel's first loop: how many copy groups
+    may still be loading when an iteration starts computing (0: the loop waits for all of its
+    copies, so none overlaps its compute; sparse_path_timing.md, runs 70-73). None without one."""
+    at = ptx.find("Loop Header")
+    found = re.search(r"cp\.async\.wait_group\s+(\d+)", ptx[at:]) if at >= 0 else None
+    return int(found.group(1)) if found else None
+
+
 def main() -> None:
     driver.set_active(_Sm90Driver())
     jit.JITFunction.run = _compile_instead_of_launch(jit.JITFunction.run)
@@ -128,7 +138,8 @@ def main() -> None:
         try:
             thunk()
             report.update(ok=True, kernels=[
-                {"kernel": fn, "shared_bytes": k.metadata.shared, "num_warps": k.metadata.num_warps} for fn, k in _compiled])
+                {"kernel": fn, "shared_bytes": k.metadata.shared, "num_warps": k.metadata.num_warps,
+                 "loop_copy_wait": _loop_copy_wait(k.asm["ptx"])} for fn, k in _compiled])
         except Exception as e:  # noqa: BLE001  (reported: the test names the case and the compiler's reason)
             cause = e
             while cause.__cause__ is not None:
