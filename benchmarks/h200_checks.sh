@@ -150,7 +150,7 @@ part() {
     # The indexer alone where it is slowest, and prefill's first shape.
     timing-key) timing timing-key 280 --indexer-only --case decode:32x131072 --case decode:64x131072 \
                   --case decode:64x32768 --case decode:8x131072 --case prefill:8192 ;;
-    # The indexer's ordering stage alone (Triton radix select + ranks against torch.topk) at the
+    # The indexer's ordering stage alone (Triton radix select + write against torch.topk) at the
     # decode grid's shapes, then the whole indexer where the ordering dominates, against unfused.
     timing-ordering) mkdir -p "$OUT/timing-ordering"
              timeout 150 python3 benchmarks/indexer_breakdown.py --out "$OUT/timing-ordering/ordering.json" \

@@ -143,10 +143,10 @@ def merges_per_program(scores: torch.Tensor, topk: int, split_len: int, block_s:
 
 def ordering_ms(rows: int, splits: int, width: int, topk: int) -> dict:
     """The ordering stage alone at the kernel's part shape [rows, splits, width], on keys of
-    random fp32 scores at distinct positions: order_keys (Triton) against order_keys_torch
-    (one torch.topk), CUDA-graph medians, and whether they agree."""
+    random fp32 scores at ascending positions, as the scoring kernel writes them: order_keys
+    (Triton) against order_keys_torch (one torch.topk), CUDA-graph medians, and whether they agree."""
     g = torch.Generator(device="cuda").manual_seed(rows * splits)
-    positions = torch.argsort(torch.rand(rows, splits * width, device="cuda", generator=g), dim=1)
+    positions = torch.arange(splits * width, device="cuda").repeat(rows, 1)
     part = indexer_topk.encode_keys_torch(torch.randn(rows, splits * width, device="cuda", generator=g),
                                           positions).reshape(rows, splits, width)
     same = all(torch.equal(a, b) for a, b in zip(indexer_topk.order_keys(part, topk),

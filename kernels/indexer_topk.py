@@ -10,12 +10,14 @@ each position to its slot), and keeps a running Top-K per program. Only the Top-
 keys are written (per row and split: KP, or the split's length if shorter); no
 [rows x history] score matrix exists anywhere.
 
-Order and ties follow reference.ops.topk_positions: higher score first, equal
-scores keep the lower position first; -1 (score -inf) pads a row whose history is
-shorter than K. This is exact because every (score, position) pair is packed into
-one int64 key whose signed order is (score, -position): the score's float bits
-mapped to an order-preserving int32 in the high word, 2^31 - 1 - position in the
-low word. Keys are unique, so the selection is deterministic.
+The set and its ties follow reference.ops.topk_positions: higher scores win, and of
+equal scores the lower positions; -1 (score -inf) pads a row whose history is shorter
+than K. This is exact because every (score, position) pair is packed into one int64
+key whose signed order is (score, -position): the score's float bits mapped to an
+order-preserving int32 in the high word, 2^31 - 1 - position in the low word. Keys are
+unique, so the selection is deterministic. The positions come back in ascending order,
+not best first: attention over them does not care, and ordering by score compared every
+selected key with every other (run 74); by position, it is the order they are found in.
 
 Each program keeps, per row, a running Top-KP (KP = next_pow2(K)) and a candidate
 buffer of KP keys, both in global memory (2 KP keys per row, L2-resident: a bound per
@@ -24,14 +26,16 @@ KP-th best (the bar: a key below it can never enter, the set only improves) and 
 them to the buffer; when the buffer might not take the next tile, the running set and
 the candidates are merged: a threshold that exactly KP of them reach is found two bits
 a pass from the top (one block-wide count per pass, stopping once the KP-th best is
-separated from the next; no sort) and the keys that reach it kept, unordered. Over n
+separated from the next; no sort) and the keys that reach it kept, in the order they came. Over n
 positions in random order about KP (1 + ln(n / KP)) keys ever beat the bar, so a program merges a few times; a
 history that only rises merges every KP positions, never gives a wrong answer. The
-kernel writes each program's KP keys unordered (run 19: Triton's sort of 4096 keys took
+kernel writes each program's KP keys unsorted (run 19: Triton's sort of 4096 keys took
 113 us per merge, three quarters of the kernel's time at 64 x 128K; the scoring loop
-alone ran at 93% of copy bandwidth). The ordering stage then takes the best K over a
-row's splits, best first: order_keys (a radix select and ranks, in Triton) where a batch's
-rows x K^2 rank comparisons stay small, torch.topk over the keys past that (run 58).
+alone ran at 93% of copy bandwidth); each merge keeps its keys in the order they came,
+so a split's keys stay in ascending position. The ordering stage then takes the best K
+over a row's splits: order_keys (a radix select of the K-th best key, then every key at or
+above it written out in order, in Triton), or torch.topk over the keys for batches past
+ORDER_KEYS_WORK (run 58).
 A program serves up to block_m consecutive rows of one request (the rows of a prefill
 chunk or of a verify step): each K tile is loaded once for all of them, one dot gives
 every row's logits, and the rows keep their running Top-Ks side by side.
@@ -172,8 +176,9 @@ def _top_threshold(keys, KP: tl.constexpr):
 def _merge_candidates(buf, dst, held, count, offs_2k, width, NONE: tl.constexpr, KP: tl.constexpr,
                       GPU: tl.constexpr):
     """Keep the best KP of the running Top-KP (buf[:held]) and the candidates (buf[KP:KP +
-    count]), unordered, in dst[:width] (NONE past them; width <= KP holds them all when
-    fewer than width keys were ever seen): (how many were kept, the new bar, 0)."""
+    count]) in dst[:width], in the order they came, which is ascending position (NONE past
+    them; width <= KP holds them all when fewer than width keys were ever seen): (how many
+    were kept, the new bar, 0)."""
     waiting = tl.max(_after_barrier(tl.max(count, axis=0) + tl.zeros([1], tl.int32), GPU), axis=0)
     valid = tl.where(offs_2k[None, :] < KP, offs_2k[None, :] < held[:, None], offs_2k[None, :] - KP < count[:, None])
     keys = tl.load(buf + offs_2k[None, :], mask=valid & (waiting >= 0), other=NONE,  # after the block's stores
@@ -232,7 +237,7 @@ def _indexer_topk_kernel(
     NONE: tl.constexpr = -9223372036854775807 - 1
     offs_2k = tl.arange(0, 2 * KP)
     # Per row, 2 KP keys of global memory (L2-resident; a bound per program, never per
-    # position): the running Top-KP, unordered, then the candidates since the last merge.
+    # position): the running Top-KP, then the candidates since the last merge, each by position.
     buf = cand_ptr + ((tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)) * BLOCK_M
                       + tl.arange(0, BLOCK_M).to(tl.int64))[:, None] * (2 * KP)  # [BLOCK_M, 1]
     bar = tl.full([BLOCK_M], NONE, tl.int64)  # the running KP-th best: a key must beat it to matter
@@ -251,7 +256,7 @@ def _indexer_topk_kernel(
             count += tl.sum(beats.to(tl.int32), axis=1)
             if tl.max(count, axis=0) > KP - BLOCK_S:  # the buffer might not take the next tile
                 held, bar, count = _merge_candidates(buf, buf, held, count, offs_2k, KP, NONE, KP, GPU)
-    # The split's best min(KP, SPLIT_LEN) keys, unordered; order_keys ranks them across splits.
+    # The split's best min(KP, SPLIT_LEN) keys, by position; order_keys selects across splits.
     width = tl.minimum(SPLIT_LEN, KP)
     part = part_ptr + (rows[:, None] * tl.num_programs(1) + tl.program_id(1)) * width
     part = tl.where(live[:, None], part, buf + KP)  # a block's rows past its end write into their own buffer
@@ -287,11 +292,12 @@ def _split_len(history: int, programs: int, target: int, block_s: int) -> int:
     return triton.cdiv(triton.cdiv(history, splits), block_s) * block_s
 
 
-# The ordering stage: a radix select of each row's best min(K, real) keys from the splits'
-# KP keys, from the highest bit on which the row's keys differ, then each selected key
-# placed at its rank. The first round (over every key) runs one program per chunk of a row;
-# the rest (over the keys on the first round's boundary digit) one program per row, 8 bits a
-# round. A key's top bits are its score's sign and exponent: with 8 of them, a boundary digit
+# The ordering stage: a radix select of the bound of each row's Top-K (its min(K, real)-th
+# best key) from the splits' KP keys, from the highest bit on which the row's keys differ;
+# then every key at or above the bound written out in the splits' order, which is ascending
+# position. The first round (over every key) runs one program per chunk of a row; the rest
+# (over the keys on the first round's boundary digit) one program per row, 8 bits a round.
+# A key's top bits are its score's sign and exponent: with 8 of them, a boundary digit
 # spanning [0.5, 2) handed 28% of a 32K-key row to the one-program rounds (randn scores, K =
 # 2048). Rows of at least WIDE_DIGIT_MIN_KEYS keys therefore start with WIDE_DIGIT_BITS; the
 # wider histogram costs every chunk program, and below that it lost (H100, run 68: 1 x 32K
@@ -333,16 +339,18 @@ def _boundary(hist, rest, BINS: tl.constexpr = 256):
 
 
 @triton.jit
-def _chunk_stats_kernel(part_ptr, stats_ptr, hist_ptr, N, BLOCK: tl.constexpr, FIRST_BITS: tl.constexpr):
+def _chunk_stats_kernel(part_ptr, stats_ptr, hist_ptr, bound_ptr, N, BLOCK: tl.constexpr, FIRST_BITS: tl.constexpr):
     """Program (row, chunk): its real keys' maximum, minimum and count; chunk 0 also zeroes
-    the row's histogram and counters (one launch fewer than a fill)."""
+    the row's histogram and counter and sets its bound to the largest key (one launch fewer
+    than a fill)."""
     NONE: tl.constexpr = -9223372036854775807 - 1
     BINS: tl.constexpr = 1 << FIRST_BITS
     row, c = tl.program_id(0).to(tl.int64), tl.program_id(1)
     if c == 0:
         bins = tl.arange(0, BINS)
-        tl.store(hist_ptr + row * (BINS + 2) + bins, tl.zeros([BINS], tl.int32))
-        tl.store(hist_ptr + row * (BINS + 2) + BINS + bins, tl.zeros([BINS], tl.int32), mask=bins < 2)
+        tl.store(hist_ptr + row * (BINS + 1) + bins, tl.zeros([BINS], tl.int32))
+        tl.store(hist_ptr + row * (BINS + 1) + BINS, 0)
+        tl.store(bound_ptr + row, 9223372036854775807)
     offs = c * BLOCK + tl.arange(0, BLOCK)
     key = tl.load(part_ptr + row * N + offs, mask=offs < N, other=NONE)
     real = key != NONE
@@ -363,53 +371,53 @@ def _chunk_histogram_kernel(part_ptr, stats_ptr, hist_ptr, N, TOPK, BLOCK: tl.co
     offs = c * BLOCK + tl.arange(0, BLOCK)
     key = tl.load(part_ptr + row * N + offs, mask=offs < N, other=NONE)
     hist = tl.histogram(_digit(key, shift, FIRST_BITS).to(tl.int32), BINS, mask=key != NONE)
-    tl.atomic_add(hist_ptr + row * (BINS + 2) + tl.arange(0, BINS), hist, mask=hist > 0)
+    tl.atomic_add(hist_ptr + row * (BINS + 1) + tl.arange(0, BINS), hist, mask=hist > 0)
 
 
 @triton.jit
-def _chunk_split_kernel(part_ptr, stats_ptr, hist_ptr, sel_ptr, rest_ptr, N, TOPK,
+def _chunk_split_kernel(part_ptr, stats_ptr, hist_ptr, bound_ptr, rest_ptr, N, TOPK,
                         BLOCK: tl.constexpr, C_POW2: tl.constexpr, FIRST_BITS: tl.constexpr):
-    """Program (row, chunk): the first round's split of its keys: those above the boundary
-    digit (and on it, when the select ends there) to sel, those on it to rest (the next
-    rounds' candidates), each at offsets taken from the row's two counters after its
-    histogram: the order within sel and rest does not matter, the ranks order the result."""
+    """Program (row, chunk): the first round's split of its keys. Those above the boundary
+    digit (and on it, when the select ends there) are in the Top-K: the row's bound falls
+    to their smallest. Those on it go to rest (the next rounds' candidates), at offsets
+    taken from the row's counter after its histogram, in no particular order."""
     NONE: tl.constexpr = -9223372036854775807 - 1
     BINS: tl.constexpr = 1 << FIRST_BITS
     row, c = tl.program_id(0).to(tl.int64), tl.program_id(1)
     shift, need = _row_start(stats_ptr, row, tl.num_programs(1), TOPK, C_POW2, FIRST_BITS)
-    d, above, last = _boundary(tl.load(hist_ptr + row * (BINS + 2) + tl.arange(0, BINS)), need, BINS)
+    d, above, last = _boundary(tl.load(hist_ptr + row * (BINS + 1) + tl.arange(0, BINS)), need, BINS)
     offs = c * BLOCK + tl.arange(0, BLOCK)
     key = tl.load(part_ptr + row * N + offs, mask=offs < N, other=NONE)
     digit = _digit(key, shift, FIRST_BITS)
     real = key != NONE  # none when need is 0: need = min(TOPK, real keys), TOPK > 0
     up = real & ((digit > d) | (last & (digit == d)))
     on = real & (digit == d) & ~last
-    n_up, n_on = tl.sum(up.to(tl.int32)), tl.sum(on.to(tl.int32))
-    at_up = tl.atomic_add(hist_ptr + row * (BINS + 2) + BINS, n_up, mask=n_up > 0)
-    at_on = tl.atomic_add(hist_ptr + row * (BINS + 2) + BINS + 1, n_on, mask=n_on > 0)
-    tl.store(sel_ptr + row * TOPK + at_up + tl.cumsum(up.to(tl.int32), 0) - 1, key, mask=up)
+    tl.atomic_min(bound_ptr + row, tl.min(tl.where(up, key, 9223372036854775807)), mask=tl.max(up.to(tl.int32)) > 0)
+    n_on = tl.sum(on.to(tl.int32))
+    at_on = tl.atomic_add(hist_ptr + row * (BINS + 1) + BINS, n_on, mask=n_on > 0)
     tl.store(rest_ptr + row * N + at_on + tl.cumsum(on.to(tl.int32), 0) - 1, key, mask=on)
 
 
 @triton.jit
-def _select_rest_kernel(stats_ptr, hist_ptr, rest_ptr, sel_ptr, need_ptr, N, C, TOPK,
+def _select_rest_kernel(stats_ptr, hist_ptr, rest_ptr, bound_ptr, need_ptr, N, C, TOPK,
                         BLOCK: tl.constexpr, C_POW2: tl.constexpr, FIRST_BITS: tl.constexpr, GPU: tl.constexpr):
     """One program per row: the rounds after the first, over the candidates on its
-    boundary digit (rest[row, :n]). A round histograms their next digit, sends those above
-    the new boundary digit to sel and keeps those on it, in place at the front of rest; the
-    round whose digit ends exactly at the need-th best sends that digit's keys too and is
-    the last (keys are unique, so one comes by bit 0)."""
+    boundary digit (rest[row, :n]). A round histograms their next digit; those above the
+    new boundary digit are in the Top-K (the bound falls to their smallest), those on it
+    stay, in place at the front of rest; the round whose digit ends exactly at the need-th
+    best takes that digit's keys too and is the last (keys are unique, so one comes by bit
+    0). The bound is then the need-th best key itself."""
     NONE: tl.constexpr = -9223372036854775807 - 1
     row = tl.program_id(0).to(tl.int64)
     BINS: tl.constexpr = 1 << FIRST_BITS
     shift, need = _row_start(stats_ptr, row, C, TOPK, C_POW2, FIRST_BITS)
-    hist = tl.load(hist_ptr + row * (BINS + 2) + tl.arange(0, BINS))
-    d, taken, last = _boundary(hist, need, BINS)
+    hist = tl.load(hist_ptr + row * (BINS + 1) + tl.arange(0, BINS))
+    d, above, last = _boundary(hist, need, BINS)
+    bound = tl.load(bound_ptr + row)
     src = rest_ptr + row * N
-    dst = sel_ptr + row * TOPK
     offs = tl.arange(0, BLOCK)
     n = tl.sum(tl.where(tl.arange(0, BINS) == d, hist, 0))
-    left = need - taken  # how many of the best are still to send
+    left = need - above  # how many of the best are still to find
     going = (~last) & (left > 0)
     while going:
         shift -= 8
@@ -424,74 +432,77 @@ def _select_rest_kernel(stats_ptr, hist_ptr, rest_ptr, sel_ptr, need_ptr, N, C, 
             digit = _digit(key, shift)
             up = (c + offs < n) & ((digit > d) | (last & (digit == d)))
             on = (c + offs < n) & (digit == d) & ~last
+            bound = tl.minimum(bound, tl.min(tl.where(up, key, 9223372036854775807)))
             # In place: a candidate goes to src[kept + ...], never past what this or an
-            # earlier chunk read (the cumsums need every thread's loads first).
-            tl.store(dst + taken + tl.cumsum(up.to(tl.int32), 0) - 1, key, mask=up)
+            # earlier chunk read (the cumsum needs every thread's loads first).
             tl.store(src + kept + tl.cumsum(on.to(tl.int32), 0) - 1, key, mask=on)
-            taken += tl.sum(up.to(tl.int32))
             kept += tl.sum(on.to(tl.int32))
         # The next round reads what other threads stored: after a barrier.
         n = tl.max(_after_barrier(kept + tl.zeros([1], tl.int32), GPU), axis=0)
         left -= above
         going = (~last) & (left > 0) & (shift > -8)  # a round at shift -8 would read no bit
+    tl.store(bound_ptr + row, bound)
     tl.store(need_ptr + row, need)
 
 
 @triton.jit
-def _rank_kernel(sel_ptr, need_ptr, idx_ptr, score_ptr, TOPK, BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr):
-    """Program (row, j): each of the row's selected keys sel[row, j * BLOCK_A ...] goes to
-    its rank (how many selected keys are greater; keys are unique), as a position and
-    its score; slots past need get -1 and -inf. No sort: ranks are counts, and a row's
-    Top-K spreads over TOPK / BLOCK_A programs."""
+def _chunk_count_kernel(part_ptr, bound_ptr, need_ptr, count_ptr, N, BLOCK: tl.constexpr):
+    """Program (row, chunk): how many of its keys are in the row's Top-K (at or above its bound)."""
     NONE: tl.constexpr = -9223372036854775807 - 1
-    row = tl.program_id(0).to(tl.int64)
+    row, c = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    offs = c * BLOCK + tl.arange(0, BLOCK)
+    key = tl.load(part_ptr + row * N + offs, mask=offs < N, other=NONE)
+    top = (key >= tl.load(bound_ptr + row)) & (key != NONE) & (tl.load(need_ptr + row) > 0)
+    tl.store(count_ptr + row * tl.num_programs(1) + c, tl.sum(top.to(tl.int32)))
+
+
+@triton.jit
+def _chunk_write_kernel(part_ptr, bound_ptr, need_ptr, count_ptr, idx_ptr, score_ptr, N, TOPK,
+                        BLOCK: tl.constexpr, C_POW2: tl.constexpr):
+    """Program (row, chunk): its Top-K keys as positions and scores, after the earlier
+    chunks' (so in the keys' order: ascending position), and its share of the -1 / -inf
+    past need."""
+    NONE: tl.constexpr = -9223372036854775807 - 1
+    row, c = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    C = tl.num_programs(1)
+    offs_c = tl.arange(0, C_POW2)
+    before = tl.sum(tl.load(count_ptr + row * C + offs_c, mask=offs_c < c, other=0))
     need = tl.load(need_ptr + row)
-    offs_a = tl.program_id(1) * BLOCK_A + tl.arange(0, BLOCK_A)
-    offs_b = tl.arange(0, BLOCK_B)
-    a = tl.load(sel_ptr + row * TOPK + offs_a, mask=offs_a < need, other=NONE)
-    rank = tl.zeros([BLOCK_A], tl.int32)
-    for c in range(0, need, BLOCK_B):
-        b = tl.load(sel_ptr + row * TOPK + c + offs_b, mask=c + offs_b < need, other=NONE)
-        rank += tl.sum((b[None, :] > a[:, None]).to(tl.int32), axis=1)
-    found = offs_a < need
-    ordered = (a >> 32).to(tl.int32)
+    offs = c * BLOCK + tl.arange(0, BLOCK)
+    key = tl.load(part_ptr + row * N + offs, mask=offs < N, other=NONE)
+    top = (key >= tl.load(bound_ptr + row)) & (key != NONE) & (need > 0)
+    at = row * TOPK + before + tl.cumsum(top.to(tl.int32), 0) - 1
+    ordered = (key >> 32).to(tl.int32)
     score = tl.where(ordered >= 0, ordered, ordered ^ 0x7FFFFFFF).to(tl.float32, bitcast=True)
-    at = tl.where(found, rank, offs_a)
-    tl.store(idx_ptr + row * TOPK + at, tl.where(found, 0x7FFFFFFF - (a & 0xFFFFFFFF), -1).to(tl.int32),
-             mask=offs_a < TOPK)
-    tl.store(score_ptr + row * TOPK + at, tl.where(found, score, float("-inf")), mask=offs_a < TOPK)
+    tl.store(idx_ptr + at, (0x7FFFFFFF - (key & 0xFFFFFFFF)).to(tl.int32), mask=top)
+    tl.store(score_ptr + at, score, mask=top)
+    for s0 in range(c * BLOCK, TOPK, C * BLOCK):
+        s = s0 + tl.arange(0, BLOCK)
+        pad = (s >= need) & (s < TOPK)
+        tl.store(idx_ptr + row * TOPK + s, tl.full([BLOCK], -1, tl.int32), mask=pad)
+        tl.store(score_ptr + row * TOPK + s, tl.full([BLOCK], float("-inf"), tl.float32), mask=pad)
 
 
-# The most rows x KP^2 for which indexer_topk orders with order_keys. Its rank step compares
-# every selected key with every other: at K = 2048 it beat torch.topk at every decode row
-# count measured, up to 64 (64 x 128K: 0.962 against 0.984 ms for the whole indexer, H100,
-# run 66); larger batches (prefill chunks) are unmeasured and keep torch.topk.
+# The most rows x KP^2 for which indexer_topk orders with order_keys; torch.topk past it.
+# At K = 2048 order_keys beat torch.topk at every decode row count measured, up to 64
+# (H100, run 66); larger batches (prefill chunks) are unmeasured and keep torch.topk.
 ORDER_KEYS_WORK = 64 * 2048 * 2048
 
-
-# The rank step: selected keys per program, and keys each compares them with per loop step
-# (the step count, need / RANK_KEYS_PER_STEP, is the program's chain of dependent loads).
-# 32 x 512 (4 steps at K = 2048) against 128 x 128 (16 steps): 0.045 against 0.076 ms for the
-# whole indexer at 1 x 4K, 0.063 against 0.095 at 1 x 32K, 0.238 against 0.265 at 8 x 128K
-# (H100, run 65, benchmarks/indexer_variants.py): the rows waited on the chain, not the
-# compares. 16 x 1024 (2 steps) took 3-5 us less again at 1 row (run 66).
-RANK_KEYS_PER_PROGRAM = 16
-RANK_KEYS_PER_STEP = 1024
-
-# Keys per program of the first select round's chunk launches (stats, histogram, split):
-# each chunk adds its histogram to the row's with global atomics, one per occupied bin.
+# Keys per program of the chunk launches (stats, histogram, split, count, write): each
+# chunk adds its histogram to the row's with global atomics, one per occupied bin.
 # 4096 (half the programs and atomics) lost 3-4 us at one row and tied elsewhere (H100, run 70).
 ORDER_CHUNK_KEYS = 2048
 
 
 def order_keys(part: torch.Tensor, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """[R, splits, width] unordered keys (NONE where there is none) -> the best topk positions
-    [R, topk] int32 and their fp32 scores, best first, -1 / -inf past the real keys. Six
-    launches, no host sync (CUDA-graph capturable): chunk stats, the first round's
-    histogram and split over every key, the later rounds per row, the ranks. Replaces
-    torch.topk over the keys, whose radix select and sort took 55-130 us at any width (run
-    42). Keys are unique per position, so the order is the reference's (see _encode);
-    order_keys_torch is the reference."""
+    """[R, splits, width] keys in ascending position (NONE where there is none) -> the
+    best topk positions [R, topk] int32 in ascending order, and their fp32 scores, -1 /
+    -inf past the real keys. Six launches, no host sync (CUDA-graph capturable): chunk
+    stats, the first round's histogram and split over every key, the later rounds per row,
+    the Top-K's count per chunk, its write. Replaces torch.topk over the keys, whose radix
+    select and sort took 55-130 us at any width (run 42), and ranks by score, which compared
+    every selected key with every other (75 us at 64 x 128K, run 74). Keys are unique per
+    position, so the set is the reference's (see _encode); order_keys_torch is the reference."""
     R = part.shape[0]
     part = part.reshape(R, -1).contiguous()
     N = part.shape[1]
@@ -504,20 +515,20 @@ def order_keys(part: torch.Tensor, topk: int) -> tuple[torch.Tensor, torch.Tenso
     c_pow2 = triton.next_power_of_2(C)
     stats = torch.empty(R, C, 3, dtype=torch.int64, device=part.device)
     first_bits = WIDE_DIGIT_BITS if N >= WIDE_DIGIT_MIN_KEYS else 8
-    hist = torch.empty(R, (1 << first_bits) + 2, dtype=torch.int32, device=part.device)  # first digit's bins, 2 counters
-    sel = torch.empty(R, topk, dtype=torch.int64, device=part.device)
+    hist = torch.empty(R, (1 << first_bits) + 1, dtype=torch.int32, device=part.device)  # first digit's bins, rest's counter
+    bound = torch.empty(R, dtype=torch.int64, device=part.device)  # the row's need-th best key
     rest = torch.empty_like(part)
     need = torch.empty(R, dtype=torch.int32, device=part.device)
-    _chunk_stats_kernel[(R, C)](part, stats, hist, N, BLOCK=block, FIRST_BITS=first_bits, num_warps=8)
+    counts = torch.empty(R, C, dtype=torch.int32, device=part.device)
+    _chunk_stats_kernel[(R, C)](part, stats, hist, bound, N, BLOCK=block, FIRST_BITS=first_bits, num_warps=8)
     first = dict(C_POW2=c_pow2, FIRST_BITS=first_bits, num_warps=8)
     _chunk_histogram_kernel[(R, C)](part, stats, hist, N, topk, BLOCK=block, **first)
-    _chunk_split_kernel[(R, C)](part, stats, hist, sel, rest, N, topk, BLOCK=block, **first)
-    _select_rest_kernel[(R,)](stats, hist, rest, sel, need, N, C, topk, BLOCK=1024,
+    _chunk_split_kernel[(R, C)](part, stats, hist, bound, rest, N, topk, BLOCK=block, **first)
+    _select_rest_kernel[(R,)](stats, hist, rest, bound, need, N, C, topk, BLOCK=1024,
                               GPU=not isinstance(_select_rest_kernel, InterpretedFunction), **first)
-    block_a = min(RANK_KEYS_PER_PROGRAM, triton.next_power_of_2(topk))
-    block_b = min(RANK_KEYS_PER_STEP, triton.next_power_of_2(topk))
-    _rank_kernel[(R, triton.cdiv(topk, block_a))](sel, need, idx, scores, topk, BLOCK_A=block_a,
-                                                   BLOCK_B=block_b, num_warps=4)
+    _chunk_count_kernel[(R, C)](part, bound, need, counts, N, BLOCK=block, num_warps=8)
+    _chunk_write_kernel[(R, C)](part, bound, need, counts, idx, scores, N, topk, BLOCK=block, C_POW2=c_pow2,
+                                num_warps=8)
     return idx, scores
 
 
@@ -526,6 +537,12 @@ def encode_keys_torch(scores: torch.Tensor, positions: torch.Tensor) -> torch.Te
     bits = torch.where(scores == 0, 0.0, scores.float()).view(torch.int32)
     ordered = torch.where(bits >= 0, bits, bits ^ 0x7FFFFFFF).long()
     return (ordered << 32) | (0x7FFFFFFF - positions.long())
+
+
+def by_position(idx: torch.Tensor, scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A Top-K [R, K] (-1 / -inf padded) in the kernels' order: ascending position, padding last."""
+    order = torch.where(idx >= 0, idx.long(), torch.iinfo(torch.int64).max).argsort(dim=1)
+    return idx.gather(1, order), scores.gather(1, order)
 
 
 def order_keys_torch(part: torch.Tensor, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -538,7 +555,7 @@ def order_keys_torch(part: torch.Tensor, topk: int) -> tuple[torch.Tensor, torch
     pos = torch.where(found, 0x7FFFFFFF - (keys & 0xFFFFFFFF), -1).to(torch.int32)
     ordered = (keys >> 32).to(torch.int32)
     bits = torch.where(ordered >= 0, ordered, ordered ^ 0x7FFFFFFF)
-    return pos, torch.where(found, bits.view(torch.float32), float("-inf"))
+    return by_position(pos, torch.where(found, bits.view(torch.float32), float("-inf")))
 
 
 def indexer_topk(
@@ -579,8 +596,10 @@ def indexer_topk(
     pipelining depth for the tile loads (loading the next tile by hand into registers
     instead measured no faster, run 18); the page-table lookup takes one stage of it, and
     below 5 no tile loads while another computes (tests/compile_for_sm90.py reports it as
-    loop_copy_wait; deeper is unmeasured). block_s: positions per tile; 128 measured
-    fastest on the H200 (run 18), and two such programs still fit on one SM.
+    loop_copy_wait). Deeper, with one or two tiles loading meanwhile, measured no faster
+    (64 or 128 positions x 5 or 7 stages, H100, run 74): the tile's instructions, not its
+    loads, set its time. block_s: positions per tile; 128 measured fastest on the H200 (run
+    18) and the H100 (run 74), and two such programs still fit on one SM.
     rows_per_request: every request has this many consecutive rows (speculative verify):
     row blocks are then fixed, and the launch captures in a CUDA graph like decode's.
     tree: (tail_start [R], tail_bits [R] int64[, tail_skip [R]]) for rows of a draft tree (tree
@@ -588,7 +607,7 @@ def indexer_topk(
     none of the next tail_skip (default 0: other branches' pages in a paged tree draft) and, of
     the draft positions tail_start + tail_skip + i (i < 64) below row_len, only those whose bit
     i is set in tail_bits: its own path, not its siblings'. Unset rows see nothing beyond tail_start.
-    Returns positions [R, topk] int32 (-1 padded), and their fp32 scores if asked.
+    Returns positions [R, topk] int32, ascending (-1 padded), and their fp32 scores if asked.
     """
     R, H, D = q.shape
     q, index_k = q.contiguous(), index_k.contiguous()
@@ -708,4 +727,5 @@ def indexer_topk_torch(q, weights, index_k, req_to_token, row_req, row_len, topk
         sel = topk_positions(s, topk)
         idx[rows] = sel.to(torch.int32)
         scores[rows] = torch.where(sel >= 0, torch.gather(s, 1, sel.clamp(min=0)), float("-inf"))
+    idx, scores = by_position(idx, scores)
     return (idx, scores) if return_scores else idx

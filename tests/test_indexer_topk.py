@@ -124,11 +124,11 @@ def test_tree_rows_see_only_their_path(parents, block_m):
     ref_idx, ref_scores = indexer_topk_torch(*args, 16, return_scores=True, tree=tree)
     assert torch.equal(idx.cpu(), ref_idx.cpu())
     assert torch.equal(scores.cpu(), ref_scores.cpu())
-    every, every_scores = indexer_topk_torch(*args, max(row_lens), return_scores=True)  # all, ranked
+    every, every_scores = _best_first(*indexer_topk_torch(*args, max(row_lens), return_scores=True))  # all, ranked
     for r in range(len(row_lens)):
         start, bits = int(tail_start[r]), int(tail_bits[r])
-        path = [(int(p), float(v)) for p, v in zip(every[r].tolist(), every_scores[r].tolist())
-                if p >= 0 and (p < start or (bits >> (p - start)) & 1)][:16]
+        path = sorted([(int(p), float(v)) for p, v in zip(every[r].tolist(), every_scores[r].tolist())
+                       if p >= 0 and (p < start or (bits >> (p - start)) & 1)][:16])  # the best 16, by position
         got = [(int(p), float(v)) for p, v in zip(ref_idx[r].tolist(), ref_scores[r].tolist()) if p >= 0]
         assert got == path, f"row {r}"
 
@@ -148,11 +148,11 @@ def test_paged_tree_draft_rows_skip_other_branches_pages():
     ref_idx, ref_scores = indexer_topk_torch(*args, 16, return_scores=True, tree=tree)
     assert torch.equal(idx.cpu(), ref_idx.cpu())
     assert torch.equal(scores.cpu(), ref_scores.cpu())
-    every, every_scores = indexer_topk_torch(*args, int(row_len.max()), return_scores=True)
+    every, every_scores = _best_first(*indexer_topk_torch(*args, int(row_len.max()), return_scores=True))
     for r in range(len(row_len)):
         start, own = int(tree[0][r]), int(tree[0][r] + tree[2][r])
-        path = [(int(p), float(v)) for p, v in zip(every[r].tolist(), every_scores[r].tolist())
-                if p >= 0 and (p < start or own <= p <= own + step)][:16]
+        path = sorted([(int(p), float(v)) for p, v in zip(every[r].tolist(), every_scores[r].tolist())
+                       if p >= 0 and (p < start or own <= p <= own + step)][:16])  # the best 16, by position
         got = [(int(p), float(v)) for p, v in zip(ref_idx[r].tolist(), ref_scores[r].tolist()) if p >= 0]
         assert got == path, f"row {r}"
     assert int(tree[2].max()) > 64  # branches beyond the bits' width: the skip, not the bits, reaches them
@@ -172,6 +172,19 @@ def test_top_300_over_several_merges():
     ref_idx, ref_scores = indexer_topk_torch(*args, 300, return_scores=True)
     assert torch.equal(idx.cpu(), ref_idx.cpu())
     assert torch.equal(scores.cpu(), ref_scores.cpu())
+
+
+def test_positions_come_back_ascending_with_the_padding_last():
+    """The kernel's order, by position rather than best first, checked on the kernel alone:
+    each row's positions ascend strictly, min(K, history) of them, then only -1 / -inf."""
+    lens = [1100, 700, 5]
+    args = _case(lens, [0, 1, 2], 4, 16, 1100, integer=False, dtype=torch.float32, seed=2)
+    idx, scores = indexer_topk(*args, 300, return_scores=True, block_s=16, programs=8)
+    for row, row_scores, n in zip(idx.cpu(), scores.cpu(), lens):
+        real = row[row >= 0]
+        assert len(real) == min(300, n) and bool((real[1:] > real[:-1]).all())
+        assert bool((row[len(real):] == -1).all()) and bool((row_scores[len(real):] == float("-inf")).all())
+        assert bool(torch.isfinite(row_scores[:len(real)]).all())
 
 
 @pytest.mark.parametrize("programs", [1, 4, 64])
@@ -247,16 +260,14 @@ def test_merge_threshold_keeps_exactly_the_best(real):
     (1, 3, 2048, 2048, 5000), # the bench preset's Top-K, two rank programs' worth of blocks
 ])
 @pytest.mark.parametrize("scores", ["random", "ties", "one value", "negative"])
-@pytest.mark.parametrize("rank_blocks, wide_digit", [((16, 1024), (10, 0)), ((128, 128), (12, 0)), ((16, 1024), None)])
-def test_order_keys_equals_torch_topk(rows, splits, kp, topk, real, scores, rank_blocks, wide_digit, monkeypatch):
-    """The Triton ordering (radix select + rank) against one torch.topk over the same keys:
-    random scores; few distinct scores (the select runs into the position bits); every
-    score equal (the first rounds keep everything); negative and huge-magnitude scores. The
-    rank step's blocks as served with the wide first digit on every row (the rounds after
-    it start at another bit than after 8), with a 12-bit one and wider programs comparing
-    narrower steps, and with the served digit rule (these rows are short: 8 bits)."""
-    monkeypatch.setattr(_module, "RANK_KEYS_PER_PROGRAM", rank_blocks[0])
-    monkeypatch.setattr(_module, "RANK_KEYS_PER_STEP", rank_blocks[1])
+@pytest.mark.parametrize("wide_digit", [(10, 0), (12, 0), None])
+def test_order_keys_equals_torch_topk(rows, splits, kp, topk, real, scores, wide_digit, monkeypatch):
+    """The Triton ordering (radix select of the K-th best key, then the write by position)
+    against one torch.topk over the same keys: random scores; few distinct scores (the
+    select runs into the position bits); every score equal (the first rounds keep
+    everything); negative and huge-magnitude scores. With a wide first digit on every row
+    (the rounds after it start at another bit than after 8), a 12-bit one, and the served
+    digit rule (these rows are short: 8 bits)."""
     if wide_digit:
         monkeypatch.setattr(_module, "WIDE_DIGIT_BITS", wide_digit[0])
         monkeypatch.setattr(_module, "WIDE_DIGIT_MIN_KEYS", wide_digit[1])
@@ -269,7 +280,8 @@ def test_order_keys_equals_torch_topk(rows, splits, kp, topk, real, scores, rank
              "ties": torch.randint(-2, 3, (real,), generator=g).float(),
              "one value": torch.zeros(real),
              "negative": -torch.rand(real, generator=g) * 1e30}[scores]
-        part[r, torch.randperm(splits * kp, generator=g)[:real]] = _module.encode_keys_torch(s, pos)
+        at = torch.randperm(splits * kp, generator=g)[:real].sort().values  # by position, as the kernel writes them
+        part[r, at] = _module.encode_keys_torch(s, pos.sort().values)
     part = part.reshape(rows, splits, kp)
     ref_idx, ref_scores = _module.order_keys_torch(part, topk)
     idx, got = _module.order_keys(part.clone().to(DEVICE), topk)
@@ -279,19 +291,27 @@ def test_order_keys_equals_torch_topk(rows, splits, kp, topk, real, scores, rank
 
 @pytest.mark.parametrize("first_bits", [8, 10])
 def test_chunk_stats_zero_the_histogram_whatever_it_held(first_bits):
-    """order_keys takes its histogram and counters from torch.empty: the stats launch
-    zeroes them (chunk 0 of each row), and nothing else may be left in them."""
+    """order_keys takes its histogram, counter and bound from torch.empty: the stats launch
+    zeroes the first two and sets the bound to the largest key (chunk 0 of each row)."""
     R, N, block = 2, 4096, 2048
     part = _module.encode_keys_torch(torch.randn(R, N), torch.arange(N).repeat(R, 1)).to(DEVICE)
-    hist = torch.full((R, (1 << first_bits) + 2), 7, dtype=torch.int32, device=DEVICE)
+    hist = torch.full((R, (1 << first_bits) + 1), 7, dtype=torch.int32, device=DEVICE)
+    bound = torch.full((R,), 7, dtype=torch.int64, device=DEVICE)
     stats = torch.empty(R, N // block, 3, dtype=torch.int64, device=DEVICE)
-    _module._chunk_stats_kernel[(R, N // block)](part, stats, hist, N, BLOCK=block, FIRST_BITS=first_bits)
+    _module._chunk_stats_kernel[(R, N // block)](part, stats, hist, bound, N, BLOCK=block, FIRST_BITS=first_bits)
     assert torch.equal(hist.cpu(), torch.zeros_like(hist.cpu()))
+    assert torch.equal(bound.cpu(), torch.full((R,), torch.iinfo(torch.int64).max))
     assert torch.equal(stats[:, :, 2].sum(1).cpu(), torch.full((R,), N))
 
 
+def _best_first(idx, scores):
+    order = scores.cpu().argsort(dim=1, descending=True, stable=True)
+    return idx.cpu().gather(1, order), scores.cpu().gather(1, order)
+
+
 def _assert_match_up_to_near_ties(idx, scores, ref_idx, ref_scores):
-    """Scores to rounding; positions equal except where rounding reorders a near tie."""
+    """Best first: scores to rounding; positions equal except where rounding reorders a near tie."""
+    (idx, scores), (ref_idx, ref_scores) = _best_first(idx, scores), _best_first(ref_idx, ref_scores)
     torch.testing.assert_close(scores.cpu(), ref_scores.cpu(), rtol=1e-5, atol=1e-5)
     gaps = (ref_scores[:, :-1] - ref_scores[:, 1:]).abs().cpu()
     tie = torch.cat([gaps < 1e-4, torch.zeros(len(gaps), 1, dtype=torch.bool)], 1)

@@ -7,7 +7,7 @@ row: row r belongs to request row_req[r] and sees its first row_len[r] positions
 (decode: the whole sequence; extend: causal, so position p sees p + 1, which covers
 chunked prefill on a cached prefix; a context-parallel extend, parallel.prefill_cp: the
 rank's rows only, after every rank's new rows are gathered into its cache). One fused
-kernel scores every visible position and keeps the Top-K (reference.ops.topk_positions's order and tie rule); a second
+kernel scores every visible position and keeps the Top-K (reference.ops.topk_positions's set and tie rule, in ascending position); a second
 gathers those latent rows from the paged pool and attends over them only. The
 output is the latent attention result [T, H * kv_lora_rank]; the layer applies W_vc.
 With an MXFP8 index cache (config index_cache_dtype) the queries come quantized to

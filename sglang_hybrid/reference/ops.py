@@ -118,8 +118,9 @@ def indexer_scores(
 def topk_positions(scores: torch.Tensor, topk: int) -> torch.Tensor:
     """Per row, the Top-K visible positions; -1 pads rows with fewer than K visible.
 
-    Order and ties, the rule every kernel of this project follows: higher score
-    first; equal scores (e.g. exact zeros from relu) keep the lower position first.
+    Ties, the rule every kernel of this project follows: higher scores win; of equal
+    scores (e.g. exact zeros from relu) the lower positions. Best first here; the fused
+    kernel (kernels.indexer_topk) returns the same set in ascending position.
     Returns [T, topk] int64.
     """
     T, S = scores.shape
