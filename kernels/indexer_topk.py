@@ -488,6 +488,9 @@ def _chunk_write_kernel(part_ptr, bound_ptr, need_ptr, count_ptr, idx_ptr, score
 # (H100, run 66); larger batches (prefill chunks) are unmeasured and keep torch.topk.
 ORDER_KEYS_WORK = 64 * 2048 * 2048
 
+# Keys the one-program rounds after the first read per loop step: each step waits on its loads.
+SELECT_REST_KEYS = 1024
+
 # Keys per program of the chunk launches (stats, histogram, split, count, write): each
 # chunk adds its histogram to the row's with global atomics, one per occupied bin.
 # 4096 (half the programs and atomics) lost 3-4 us at one row and tied elsewhere (H100, run 70).
@@ -524,7 +527,7 @@ def order_keys(part: torch.Tensor, topk: int) -> tuple[torch.Tensor, torch.Tenso
     first = dict(C_POW2=c_pow2, FIRST_BITS=first_bits, num_warps=8)
     _chunk_histogram_kernel[(R, C)](part, stats, hist, N, topk, BLOCK=block, **first)
     _chunk_split_kernel[(R, C)](part, stats, hist, bound, rest, N, topk, BLOCK=block, **first)
-    _select_rest_kernel[(R,)](stats, hist, rest, bound, need, N, C, topk, BLOCK=1024,
+    _select_rest_kernel[(R,)](stats, hist, rest, bound, need, N, C, topk, BLOCK=SELECT_REST_KEYS,
                               GPU=not isinstance(_select_rest_kernel, InterpretedFunction), **first)
     _chunk_count_kernel[(R, C)](part, bound, need, counts, N, BLOCK=block, num_warps=8)
     _chunk_write_kernel[(R, C)](part, bound, need, counts, idx, scores, N, topk, BLOCK=block, C_POW2=c_pow2,
