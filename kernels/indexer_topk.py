@@ -485,10 +485,12 @@ def _chunk_write_kernel(part_ptr, bound_ptr, need_ptr, count_ptr, idx_ptr, score
 
 # The most rows x KP^2 for which indexer_topk orders with order_keys; torch.topk past it.
 # At K = 2048 order_keys beat torch.topk at every decode row count measured, up to 64
-# (H100, run 66); larger batches (prefill chunks) are unmeasured and keep torch.topk.
+# (H100, run 66, when it still ranked by score; by position it is faster, run 76); larger
+# batches (prefill chunks) are unmeasured and keep torch.topk.
 ORDER_KEYS_WORK = 64 * 2048 * 2048
 
-# Keys the one-program rounds after the first read per loop step: each step waits on its loads.
+# Keys the one-program rounds after the first read per loop step. 2048 and 4096 (fewer,
+# wider steps) lost 1-7 us at one row and tied elsewhere (H100, run 77).
 SELECT_REST_KEYS = 1024
 
 # Keys per program of the chunk launches (stats, histogram, split, count, write): each
