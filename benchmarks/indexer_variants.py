@@ -14,7 +14,8 @@ A path followed by @NAME=VALUE (repeatable) loads that file with the module cons
 set to VALUE (a number). Decode only (CUDA-graph medians, BF16 or with --mxfp8 the MXFP8
 index cache and queries, group 32; 4 warps); the variants are
 timed in order, then again in reverse order, and both are kept; each variant's GPU time per
-kernel comes from the torch profiler (kernel_us).
+kernel comes from the torch profiler (kernel_us). A case given several times is timed on
+that many random draws (the selection rounds' work depends on the scores).
 """
 
 from __future__ import annotations
@@ -76,12 +77,17 @@ def main() -> None:
     ap.add_argument("--mxfp8", action="store_true", help="MXFP8 queries and index-K cache (group 32)")
     args = ap.parse_args()
     variants = [load_variant(v) for v in args.variant]
-    g = torch.Generator(device="cuda").manual_seed(0)
     bw = hbm_copy_gbps()
     results = {"device": torch.cuda.get_device_name(), "hbm_copy_GBps": bw, "variants": args.variant, "cases": []}
-    for kind, reqs, length in map(parse_case, args.case):
+    seen: dict[str, int] = {}
+    for spec, (kind, reqs, length) in zip(args.case, map(parse_case, args.case)):
         if kind != "decode":
             raise SystemExit(f"decode cases only, got {kind}")
+        # A case's inputs depend on the case and how often it came before, not on the other
+        # cases: a case given n times is n draws, the same in every run (before run 78 one
+        # generator fed the cases in order, so the draw moved with the list).
+        draw = seen[spec] = seen.get(spec, -1) + 1
+        g = torch.Generator(device="cuda").manual_seed(reqs * 1_000_003 + length * 101 + draw)
         k, table = paged_history(reqs, length, D, g)
         q = torch.randn(reqs, HI, D, device="cuda", generator=g, dtype=torch.bfloat16)
         w = torch.randn(reqs, HI, device="cuda", generator=g)
@@ -92,7 +98,7 @@ def main() -> None:
         if args.mxfp8:  # the unfused baseline keeps the BF16 inputs; the byte floor is MXFP8's own
             (q8, scales["q_scale"]), (k8, scales["k_scale"]) = mxfp8.quantize_mxfp8(q), mxfp8.quantize_mxfp8(k)
             byte_floor_ms = (reqs * length * (D + D // 32) + q8.numel() + scales["q_scale"].numel()) / bw / 1e6
-        case = {"requests": reqs, "history": length, "index": "mxfp8" if args.mxfp8 else "bf16",
+        case = {"requests": reqs, "history": length, "draw": draw, "index": "mxfp8" if args.mxfp8 else "bf16",
                 "byte_floor_ms": byte_floor_ms}
 
         def run(module):
