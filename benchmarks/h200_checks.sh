@@ -52,7 +52,7 @@ part() {
     tiny) part tiny-e2e; part tiny-bf16 ;;
     small) part small-e2e; part small-bf16 ;;
     tiny-kernels) run tiny-kernels 280 tests/test_indexer_topk.py tests/test_sparse_mla_kernel.py tests/test_mxfp8.py tests/test_fp8_kv.py tests/test_gpu.py -k "not bf16_statistically and not bench_preset" ;;
-    indexer-kernels) run indexer-kernels 200 tests/test_indexer_topk.py ;;
+    indexer-kernels) run indexer-kernels 200 tests/test_indexer_topk.py tests/test_sglang_dsa_baseline.py ;;
     tiny-e2e) run tiny-e2e 420 tests/test_engine.py tests/test_server.py --preset tiny ;;
     tiny-bf16) run tiny-bf16 260 tests/test_gpu.py::test_bf16_statistically_tracks_golden --preset tiny ;;
     small-e2e) run small-e2e 420 tests/test_engine.py tests/test_server.py --preset small ;;

@@ -15,7 +15,8 @@ set to VALUE (a number). Decode only (CUDA-graph medians, BF16 or with --mxfp8 t
 index cache and queries, group 32; 4 warps); the variants are
 timed in order, then again in reverse order, and both are kept; each variant's GPU time per
 kernel comes from the torch profiler (kernel_us). A case given several times is timed on
-that many random draws (the selection rounds' work depends on the scores).
+that many random draws (the selection rounds' work depends on the scores). --sglang-dsa adds
+SGLang's own DSA indexer on the same keys as a second baseline (sglang_dsa_indexer.py).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from triton.testing import do_bench_cudagraph
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from sglang_hybrid.kernels import mxfp8  # noqa: E402
+import sglang_dsa_indexer  # noqa: E402
 from sparse_path_timing import D, HI, TOPK, hbm_copy_gbps, paged_history, parse_case, unfused_indexer  # noqa: E402
 
 
@@ -69,12 +71,30 @@ def overlap(a: torch.Tensor, b: torch.Tensor) -> float:
     return hits / max(real, 1)
 
 
+def sglang_dsa(case: dict, q, w, k, table, row_len, first, bw: float) -> None:
+    """SGLang's own indexer on the case's keys, recorded in case: the whole (both launches) and
+    its logits alone, CUDA-graph medians; its byte floor (132 B a key); its selection's overlap
+    with the first variant's. Where it does not run, why."""
+    try:
+        select, logits, _ = sglang_dsa_indexer.pipeline(q, w, k, table, row_len, TOPK)
+        case["sglang_dsa_overlap_with_first"] = overlap(select(), first)
+        case["sglang_dsa_ms"] = do_bench_cudagraph(select, return_mode="median")
+        case["sglang_dsa_logits_ms"] = do_bench_cudagraph(logits, return_mode="median")
+        case["sglang_dsa_byte_floor_ms"] = k.shape[0] * (k.shape[1] + 4) / bw / 1e6
+    except Exception as e:  # noqa: BLE001 (a baseline that cannot run here is reported, not fatal)
+        case["sglang_dsa_error"] = repr(e)[:500]
+    torch.cuda.empty_cache()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--variant", action="append", required=True, metavar="NAME=PATH[@CONSTANT=VALUE...]")
     ap.add_argument("--case", action="append", required=True, metavar="decode:BATCHxHISTORY")
     ap.add_argument("--out", required=True)
     ap.add_argument("--mxfp8", action="store_true", help="MXFP8 queries and index-K cache (group 32)")
+    ap.add_argument("--sglang-dsa", action="store_true",
+                    help="also time SGLang's own DSA indexer (DeepGEMM paged logits + sgl-kernel top-k; "
+                         "benchmarks/sglang_dsa_indexer.py) on the same keys in its FP8 page layout")
     args = ap.parse_args()
     variants = [load_variant(v) for v in args.variant]
     bw = hbm_copy_gbps()
@@ -121,6 +141,8 @@ def main() -> None:
                 case.setdefault(f"fused_ms[{name}]", []).append(do_bench_cudagraph(run(module), return_mode="median"))
         case["unfused_ms"] = do_bench_cudagraph(
             lambda: unfused_indexer(q, w, k, table, row_req, row_len, TOPK, one_request=False), return_mode="median")
+        if args.sglang_dsa:
+            sglang_dsa(case, q, w, k, table, row_len, first, bw)
         for name, _ in variants:
             best = min(case[f"fused_ms[{name}]"])
             case[f"speedup_vs_unfused[{name}]"] = case["unfused_ms"] / best

@@ -1,0 +1,85 @@
+"""The SGLang DSA indexer baseline (benchmarks/sglang_dsa_indexer.py): its conversion to SGLang's
+FP8 index-K page layout on any host; on a GPU, SGLang's DeepGEMM logits and sgl-kernel Top-K
+over it against the same computation in PyTorch."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+import sglang_dsa_indexer as dsa  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _paged(reqs: int, length: int, seed: int = 0, D: int = 128):
+    """bf16 keys whose 64-slot pages are scattered over the pool, and the position -> slot table."""
+    g = torch.Generator().manual_seed(seed)
+    pages = torch.randperm(reqs * length // dsa.PAGE, generator=g)
+    table = (pages[:, None] * dsa.PAGE + torch.arange(dsa.PAGE)).view(reqs, length).to(torch.int32)
+    k = (torch.randn(reqs * length, D, generator=g) * torch.rand(reqs * length, 1, generator=g) * 30).to(torch.bfloat16)
+    return k.to(DEVICE), table.to(DEVICE)
+
+
+def test_pages_hold_fp8_rows_then_their_scales_as_sglang_lays_them_out():
+    """DSATokenToKVPool's page: 64 e4m3 rows of 128 bytes, then 64 fp32 scales; a slot's
+    row and scale sit at its offset in its page, and dequantize to the key within e4m3's
+    rounding (the scale a power of two with amax / scale <= 448)."""
+    k, table = _paged(3, 256)
+    buf, block_tables = dsa.to_dsa_pages(k, table)
+    assert buf.dtype == torch.uint8 and buf.shape == (k.shape[0] // 64, 64 * 132)
+    assert torch.equal(block_tables.long() * 64, table[:, ::64].long())
+    for slot in (0, 63, 64, 200, k.shape[0] - 1):
+        page, at = divmod(slot, 64)
+        row = buf[page, at * 128:(at + 1) * 128].contiguous().view(torch.float8_e4m3fn).float()
+        scale = buf[page, 64 * 128 + 4 * at:64 * 128 + 4 * at + 4].contiguous().view(torch.float32)
+        assert float(torch.log2(scale)) == round(float(torch.log2(scale)))  # a power of two
+        assert float(row.abs().max()) <= 448
+        torch.testing.assert_close(row * scale, k[slot].float(), rtol=2**-4, atol=float(scale) * 2**-10)
+    # Every key: within e4m3's relative rounding, or half its smallest subnormal step (2^-10 of the scale).
+    scales = buf[:, 64 * 128:].contiguous().view(torch.float32).reshape(-1, 1)
+    err = (dsa.from_dsa_pages(buf) - k.float()).abs()
+    assert bool((err <= torch.maximum(k.float().abs() * 2**-4, scales * 2**-10)).all())
+
+
+def test_tables_whose_pages_are_not_whole_are_refused():
+    k, table = _paged(2, 128)
+    with pytest.raises(ValueError, match="one page"):
+        dsa.to_dsa_pages(k, table.roll(1, dims=1))
+    with pytest.raises(ValueError, match="pages of 64"):
+        dsa.to_dsa_pages(k[:100], table[:, :100])
+
+
+def test_quantized_queries_fold_their_scale_into_the_head_weights():
+    q = torch.randn(3, 8, 128) * 50
+    w = torch.randn(3, 8)
+    q8, w8 = dsa.quantize_queries(q, w)
+    scale = w8 / w
+    err = (q8.float() * scale[..., None] - q).abs()
+    assert bool((err <= torch.maximum(q.abs() * 2**-4, scale[..., None] * 2**-10)).all())
+    assert float(q8.float().abs().max()) <= 448
+
+
+@pytest.mark.gpu
+def test_sglang_logits_and_top_k_match_pytorch_on_the_same_fp8_inputs():
+    """SGLang's own launches (DeepGEMM paged MQA logits, sgl-kernel fast_topk_v2) over the
+    converted pages: the logits equal the PyTorch sum over the dequantized FP8 inputs (fp32
+    rounding), and the Top-K is that sum's, up to near ties."""
+    reqs, length, H, topk = 2, 4096, 64, 2048
+    k, table = _paged(reqs, length, seed=1)
+    g = torch.Generator().manual_seed(2)
+    q = torch.randn(reqs, H, 128, generator=g).to(torch.bfloat16).cuda()
+    w = torch.randn(reqs, H, generator=g).cuda()
+    row_len = torch.tensor([length, length - 1000], dtype=torch.int32, device="cuda")
+    select, logits, (q8, w8, buf) = dsa.pipeline(q, w, k, table, row_len, topk)
+    got, picked = logits(), select()
+    for r in range(reqs):
+        n = int(row_len[r])
+        want = dsa.reference_logits(q8, w8, buf, table, r, n)
+        torch.testing.assert_close(got[r, :n], want, rtol=1e-3, atol=1e-2)
+        best = set(want.topk(topk).indices.tolist())
+        assert len(best & set(picked[r].tolist())) >= 0.99 * topk
