@@ -446,19 +446,19 @@ def _select_rest_kernel(stats_ptr, hist_ptr, rest_ptr, bound_ptr, need_ptr, N, C
 
 
 @triton.jit
-def _chunk_top(part_ptr, bound_ptr, need_ptr, row, c, N, BLOCK: tl.constexpr):
+def _chunk_top(part_ptr, bound_ptr, need, row, c, N, BLOCK: tl.constexpr):
     """Chunk c of the row's keys, and which are in its Top-K: at or above its bound, which is
     a real key (never NONE), or the largest key when there is none (need 0)."""
     offs = c * BLOCK + tl.arange(0, BLOCK)
     key = tl.load(part_ptr + row * N + offs, mask=offs < N, other=-9223372036854775807 - 1)
-    return key, (key >= tl.load(bound_ptr + row)) & (tl.load(need_ptr + row) > 0)
+    return key, (key >= tl.load(bound_ptr + row)) & (need > 0)
 
 
 @triton.jit
 def _chunk_count_kernel(part_ptr, bound_ptr, need_ptr, count_ptr, N, BLOCK: tl.constexpr):
     """Program (row, chunk): how many of its keys are in the row's Top-K."""
     row, c = tl.program_id(0).to(tl.int64), tl.program_id(1)
-    _, top = _chunk_top(part_ptr, bound_ptr, need_ptr, row, c, N, BLOCK)
+    _, top = _chunk_top(part_ptr, bound_ptr, tl.load(need_ptr + row), row, c, N, BLOCK)
     tl.store(count_ptr + row * tl.num_programs(1) + c, tl.sum(top.to(tl.int32)))
 
 
@@ -473,7 +473,7 @@ def _chunk_write_kernel(part_ptr, bound_ptr, need_ptr, count_ptr, idx_ptr, score
     offs_c = tl.arange(0, C_POW2)
     before = tl.sum(tl.load(count_ptr + row * C + offs_c, mask=offs_c < c, other=0))
     need = tl.load(need_ptr + row)
-    key, top = _chunk_top(part_ptr, bound_ptr, need_ptr, row, c, N, BLOCK)
+    key, top = _chunk_top(part_ptr, bound_ptr, need, row, c, N, BLOCK)
     at = row * TOPK + before + tl.cumsum(top.to(tl.int32), 0) - 1
     ordered = (key >> 32).to(tl.int32)
     score = tl.where(ordered >= 0, ordered, ordered ^ 0x7FFFFFFF).to(tl.float32, bitcast=True)
