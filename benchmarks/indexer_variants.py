@@ -11,12 +11,14 @@ Each variant's selection must be the first's set (all are exact).
         --variant new-split2=/tmp/new.py@MIN_SPLIT_TILES=2 --case decode:1x32768 --out $OUT/ab.json
 
 A path followed by @NAME=VALUE (repeatable) loads that file with the module constant NAME
-set to VALUE (a number). Decode only (CUDA-graph medians, BF16 or with --mxfp8 the MXFP8
-index cache and queries, group 32; 4 warps); the variants are
-timed in order, then again in reverse order, and both are kept; each variant's GPU time per
-kernel comes from the torch profiler (kernel_us). A case given several times is timed on
-that many random draws (the selection rounds' work depends on the scores). --sglang-dsa adds
-SGLang's own DSA indexer on the same keys as a second baseline (sglang_dsa_indexer.py).
+set to VALUE (a number). Cases are decode:BATCHxHISTORY (one row per request, CUDA-graph
+medians) or prefill:HISTORY (one request, every position a causal row, eager medians, as
+sparse_path_timing times them); BF16, or with --mxfp8 the MXFP8 index cache and queries,
+group 32; 4 warps. The variants are timed in order, then again in reverse order, and both
+are kept; each variant's GPU time per kernel comes from the torch profiler (kernel_us). A
+case given several times is timed on that many random draws (the selection rounds' work
+depends on the scores). --sglang-dsa adds SGLang's own DSA indexer on the same keys as a
+second baseline (sglang_dsa_indexer.py: its decode or its prefill pipeline).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import os
 import sys
 
 import torch
-from triton.testing import do_bench_cudagraph
+from triton.testing import do_bench, do_bench_cudagraph
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from sglang_hybrid.kernels import mxfp8  # noqa: E402
@@ -63,24 +65,29 @@ def kernel_us(fn, reps: int = 10) -> dict[str, float]:
 
 
 def overlap(a: torch.Tensor, b: torch.Tensor) -> float:
-    """Mean over rows of |a's positions & b's| / |b's| (the -1 padding excluded)."""
-    hits = real = 0
-    for x, y in zip(a.tolist(), b.tolist()):
-        y = {p for p in y if p >= 0}
-        hits, real = hits + len(y & set(x)), real + len(y)
-    return hits / max(real, 1)
+    """|a's positions & b's| / |b's| over all rows (b's -1 padding excluded); rows are sets."""
+    a = a.long().sort(1).values
+    found = torch.searchsorted(a, b.long().contiguous()).clamp(max=a.shape[1] - 1)
+    hits = (a.gather(1, found) == b) & (b >= 0)
+    return int(hits.sum()) / max(int((b >= 0).sum()), 1)
 
 
-def sglang_dsa(case: dict, q, w, k, table, row_len, first, bw: float) -> None:
-    """SGLang's own indexer on the case's keys, recorded in case: the whole (both launches) and
-    its logits alone, CUDA-graph medians; its byte floor (132 B a key); its selection's overlap
-    with the first variant's. Where it does not run, why."""
+def sglang_dsa(case: dict, q, w, k, table, row_len, first, bw: float, prefill: bool) -> None:
+    """SGLang's own indexer on the case's keys, recorded in case: the whole pipeline (decode:
+    CUDA-graph medians, and its logits launch alone; prefill: eager, with its logits chunking);
+    its index-K byte floor (132 B a key it reads); its selection's overlap with the first
+    variant's. Where it does not run, why."""
     try:
-        select, logits, _ = sglang_dsa_indexer.pipeline(q, w, k, table, row_len, TOPK)
-        case["sglang_dsa_overlap_with_first"] = overlap(select(), first)
-        case["sglang_dsa_ms"] = do_bench_cudagraph(select, return_mode="median")
-        case["sglang_dsa_logits_ms"] = do_bench_cudagraph(logits, return_mode="median")
-        case["sglang_dsa_byte_floor_ms"] = k.shape[0] * (k.shape[1] + 4) / bw / 1e6
+        if prefill:
+            select, case["sglang_dsa_logits_chunk_rows"], _ = sglang_dsa_indexer.prefill_pipeline(q, w, k, table, TOPK)
+            case["sglang_dsa_overlap_with_first"] = overlap(select(), first)
+            case["sglang_dsa_ms"] = do_bench(select, return_mode="median")
+        else:
+            select, logits, _ = sglang_dsa_indexer.pipeline(q, w, k, table, row_len, TOPK)
+            case["sglang_dsa_overlap_with_first"] = overlap(select(), first)
+            case["sglang_dsa_ms"] = do_bench_cudagraph(select, return_mode="median")
+            case["sglang_dsa_logits_ms"] = do_bench_cudagraph(logits, return_mode="median")
+        case["sglang_dsa_byte_floor_ms"] = int(row_len.sum()) * (k.shape[1] + 4) / bw / 1e6
     except Exception as e:  # noqa: BLE001 (a baseline that cannot run here is reported, not fatal)
         case["sglang_dsa_error"] = repr(e)[:500]
     torch.cuda.empty_cache()
@@ -89,7 +96,7 @@ def sglang_dsa(case: dict, q, w, k, table, row_len, first, bw: float) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--variant", action="append", required=True, metavar="NAME=PATH[@CONSTANT=VALUE...]")
-    ap.add_argument("--case", action="append", required=True, metavar="decode:BATCHxHISTORY")
+    ap.add_argument("--case", action="append", required=True, metavar="decode:BATCHxHISTORY|prefill:HISTORY")
     ap.add_argument("--out", required=True)
     ap.add_argument("--mxfp8", action="store_true", help="MXFP8 queries and index-K cache (group 32)")
     ap.add_argument("--sglang-dsa", action="store_true",
@@ -101,25 +108,32 @@ def main() -> None:
     results = {"device": torch.cuda.get_device_name(), "hbm_copy_GBps": bw, "variants": args.variant, "cases": []}
     seen: dict[str, int] = {}
     for spec, (kind, reqs, length) in zip(args.case, map(parse_case, args.case)):
-        if kind != "decode":
-            raise SystemExit(f"decode cases only, got {kind}")
         # A case's inputs depend on the case and how often it came before, not on the other
         # cases: a case given n times is n draws, the same in every run (before run 78 one
         # generator fed the cases in order, so the draw moved with the list).
         draw = seen[spec] = seen.get(spec, -1) + 1
         g = torch.Generator(device="cuda").manual_seed(reqs * 1_000_003 + length * 101 + draw)
+        prefill = kind == "prefill"
+        rows = length if prefill else reqs
         k, table = paged_history(reqs, length, D, g)
-        q = torch.randn(reqs, HI, D, device="cuda", generator=g, dtype=torch.bfloat16)
-        w = torch.randn(reqs, HI, device="cuda", generator=g)
-        row_req = torch.arange(reqs, device="cuda", dtype=torch.int32)
-        row_len = torch.full((reqs,), length, device="cuda", dtype=torch.int32)
-        byte_floor_ms = (reqs * length * D * 2 + q.numel() * 2) / bw / 1e6
+        q = torch.randn(rows, HI, D, device="cuda", generator=g, dtype=torch.bfloat16)
+        w = torch.randn(rows, HI, device="cuda", generator=g)
+        if prefill:  # every position of the one request, causal
+            row_req = torch.zeros(rows, device="cuda", dtype=torch.int32)
+            row_len = torch.arange(1, length + 1, device="cuda", dtype=torch.int32)
+        else:
+            row_req = torch.arange(reqs, device="cuda", dtype=torch.int32)
+            row_len = torch.full((reqs,), length, device="cuda", dtype=torch.int32)
+        visible = int(row_len.sum())  # index-K rows read, a row at a time
+        byte_floor_ms = (visible * D * 2 + q.numel() * 2) / bw / 1e6
         scales = {}
         if args.mxfp8:  # the unfused baseline keeps the BF16 inputs; the byte floor is MXFP8's own
             (q8, scales["q_scale"]), (k8, scales["k_scale"]) = mxfp8.quantize_mxfp8(q), mxfp8.quantize_mxfp8(k)
-            byte_floor_ms = (reqs * length * (D + D // 32) + q8.numel() + scales["q_scale"].numel()) / bw / 1e6
-        case = {"requests": reqs, "history": length, "draw": draw, "index": "mxfp8" if args.mxfp8 else "bf16",
-                "byte_floor_ms": byte_floor_ms}
+            byte_floor_ms = (visible * (D + D // 32) + q8.numel() + scales["q_scale"].numel()) / bw / 1e6
+        case = {"kind": kind, "requests": reqs, "history": length, "draw": draw,
+                "index": "mxfp8" if args.mxfp8 else "bf16", "byte_floor_ms": byte_floor_ms}
+        median = (lambda fn: do_bench(fn, return_mode="median")) if prefill else (
+            lambda fn: do_bench_cudagraph(fn, return_mode="median"))
 
         def run(module):
             if args.mxfp8:
@@ -138,11 +152,10 @@ def main() -> None:
             case[f"kernel_us[{name}]"] = kernel_us(run(module))
         for order in (variants, variants[::-1]):
             for name, module in order:
-                case.setdefault(f"fused_ms[{name}]", []).append(do_bench_cudagraph(run(module), return_mode="median"))
-        case["unfused_ms"] = do_bench_cudagraph(
-            lambda: unfused_indexer(q, w, k, table, row_req, row_len, TOPK, one_request=False), return_mode="median")
+                case.setdefault(f"fused_ms[{name}]", []).append(median(run(module)))
+        case["unfused_ms"] = median(lambda: unfused_indexer(q, w, k, table, row_req, row_len, TOPK, one_request=prefill))
         if args.sglang_dsa:
-            sglang_dsa(case, q, w, k, table, row_len, first, bw)
+            sglang_dsa(case, q, w, k, table, row_len, first, bw, prefill)
         for name, _ in variants:
             best = min(case[f"fused_ms[{name}]"])
             case[f"speedup_vs_unfused[{name}]"] = case["unfused_ms"] / best

@@ -1,6 +1,7 @@
 """The SGLang DSA indexer baseline (benchmarks/sglang_dsa_indexer.py): its conversion to SGLang's
-FP8 index-K page layout on any host; on a GPU, SGLang's DeepGEMM logits and sgl-kernel Top-K
-over it against the same computation in PyTorch."""
+FP8 index-K page layout, SGLang's own gather out of those pages (Triton, through the interpreter
+on the CPU) and its prefill logits chunking on any host; on a GPU, SGLang's DeepGEMM logits and
+sgl-kernel Top-K over it, decode and prefill, against the same computation in PyTorch."""
 
 from __future__ import annotations
 
@@ -64,6 +65,36 @@ def test_quantized_queries_fold_their_scale_into_the_head_weights():
     assert float(q8.float().abs().max()) <= 448
 
 
+def test_sglang_gathers_a_requests_fp8_keys_and_scales_out_of_its_pages_in_position_order(monkeypatch):
+    """The prefill pipeline's first launch is SGLang's own Triton gather (GetKAndS): over the
+    converted pages and block table it returns the request's keys by position, each row with
+    its scale, exactly the dequantized keys of its slots."""
+    if DEVICE == "cpu":
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    from sglang.kernels.ops.attention.dsa.index_buf_accessor import _get_k_and_s_triton
+
+    k, table = _paged(3, 320, seed=3)
+    buf, block_tables = dsa.to_dsa_pages(k, table)
+    for r, n in ((0, 320), (2, 130)):  # a whole table; a history ending mid-page
+        data, scale = _get_k_and_s_triton(buf, block_tables[r:r + 1], torch.tensor([n], device=DEVICE), n, n,
+                                          dsa.PAGE, 128)
+        got = data.view(torch.float8_e4m3fn).float() * scale.view(torch.float32)
+        assert torch.equal(got, dsa.from_dsa_pages(buf)[table[r, :n].long()])
+
+
+def test_prefill_logits_chunk_as_sglang_budgets_them():
+    """SGLang chunks prefill logits only past 8M of them and past its budget: a fifth of the free
+    memory, at most 30% of the card; a chunk is as many rows of fp32 logits as fit it."""
+    GB = 10**9
+    assert dsa.logits_rows_per_chunk(2000, 2000, 1, 80 * GB) == 2000  # 4M logits: never chunked
+    assert dsa.logits_rows_per_chunk(32768, 32768, 75 * GB, 80 * GB) == 32768  # 4.3 GB < 15 GB
+    assert dsa.logits_rows_per_chunk(65536, 65536, 75 * GB, 80 * GB) == 15 * GB // (65536 * 4)  # 17.2 GB
+    assert dsa.logits_rows_per_chunk(65536, 65536, 130 * GB, 140 * GB) == 65536  # 17.2 GB < 26 GB
+    assert dsa.logits_rows_per_chunk(65536, 65536, 75 * GB, 40 * GB) == 12 * GB // (65536 * 4)  # 30% of the card
+    assert dsa.logits_rows_per_chunk(8192, 10**9, 75 * GB, 80 * GB) == 3  # never below one row
+    assert dsa.logits_rows_per_chunk(8192, 10**11, 75 * GB, 80 * GB) == 1
+
+
 @pytest.mark.gpu
 def test_sglang_logits_and_top_k_match_pytorch_on_the_same_fp8_inputs():
     """SGLang's own launches (DeepGEMM paged MQA logits, sgl-kernel fast_topk_v2) over the
@@ -79,7 +110,30 @@ def test_sglang_logits_and_top_k_match_pytorch_on_the_same_fp8_inputs():
     got, picked = logits(), select()
     for r in range(reqs):
         n = int(row_len[r])
-        want = dsa.reference_logits(q8, w8, buf, table, r, n)
+        want = dsa.reference_logits(q8[r], w8[r], buf, table[r, :n])
         torch.testing.assert_close(got[r, :n], want, rtol=1e-3, atol=1e-2)
         best = set(want.topk(topk).indices.tolist())
         assert len(best & set(picked[r].tolist())) >= 0.99 * topk
+
+
+@pytest.mark.gpu
+def test_sglang_prefill_top_k_matches_pytorch_on_the_same_fp8_inputs():
+    """SGLang's prefill launches (its gather, DeepGEMM's ragged MQA logits, sgl-kernel's ragged
+    Top-K) over one causal request: each row's Top-K is the PyTorch sum's over the positions it
+    sees, up to near ties; a row that sees fewer than K positions gets them all, then -1."""
+    length, H, topk = 4096, 64, 2048
+    k, table = _paged(1, length, seed=4)
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(length, H, 128, generator=g).to(torch.bfloat16).cuda()
+    w = torch.randn(length, H, generator=g).cuda()
+    select, chunk, (q8, w8, buf) = dsa.prefill_pipeline(q, w, k, table, topk)
+    assert chunk == length
+    picked = select()
+    for r in (0, 1, 63, 64, 2047, 2048, 3000, length - 1):
+        n = r + 1
+        want = dsa.reference_logits(q8[r], w8[r], buf, table[0, :n])
+        got = [p for p in picked[r].tolist() if p >= 0]
+        assert all(0 <= p < n for p in got) and len(got) == len(set(got)) == min(n, topk)
+        assert (picked[r, len(got):] == -1).all()
+        best = set(want.topk(min(n, topk)).indices.tolist())
+        assert len(best & set(got)) >= 0.99 * len(best)
