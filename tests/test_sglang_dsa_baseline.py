@@ -13,8 +13,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
 import sglang_dsa_indexer as dsa  # noqa: E402
-
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+from triton_interpreter import DEVICE, import_kernels, interpreter  # noqa: E402, F401 (fixture)
 
 
 def _paged(reqs: int, length: int, seed: int = 0, D: int = 128):
@@ -65,13 +64,14 @@ def test_quantized_queries_fold_their_scale_into_the_head_weights():
     assert float(q8.float().abs().max()) <= 448
 
 
-def test_sglang_gathers_a_requests_fp8_keys_and_scales_out_of_its_pages_in_position_order(monkeypatch):
+@pytest.mark.usefixtures("interpreter")
+def test_sglang_gathers_a_requests_fp8_keys_and_scales_out_of_its_pages_in_position_order():
     """The prefill pipeline's first launch is SGLang's own Triton gather (GetKAndS): over the
     converted pages and block table it returns the request's keys by position, each row with
     its scale, exactly the dequantized keys of its slots."""
-    if DEVICE == "cpu":
-        monkeypatch.setenv("TRITON_INTERPRET", "1")
-    from sglang.kernels.ops.attention.dsa.index_buf_accessor import _get_k_and_s_triton
+    # Reloaded: a server test may have imported SGLang's module before, outside the interpreter.
+    _get_k_and_s_triton = import_kernels("sglang.kernels.ops.attention.dsa.index_buf_accessor",
+                                         reload=True)._get_k_and_s_triton
 
     k, table = _paged(3, 320, seed=3)
     buf, block_tables = dsa.to_dsa_pages(k, table)
@@ -91,8 +91,8 @@ def test_prefill_logits_chunk_as_sglang_budgets_them():
     assert dsa.logits_rows_per_chunk(65536, 65536, 75 * GB, 80 * GB) == 15 * GB // (65536 * 4)  # 17.2 GB
     assert dsa.logits_rows_per_chunk(65536, 65536, 130 * GB, 140 * GB) == 65536  # 17.2 GB < 26 GB
     assert dsa.logits_rows_per_chunk(65536, 65536, 75 * GB, 40 * GB) == 12 * GB // (65536 * 4)  # 30% of the card
-    assert dsa.logits_rows_per_chunk(8192, 10**9, 75 * GB, 80 * GB) == 3  # never below one row
-    assert dsa.logits_rows_per_chunk(8192, 10**11, 75 * GB, 80 * GB) == 1
+    assert dsa.logits_rows_per_chunk(8192, 10**9, 75 * GB, 80 * GB) == 3  # 4 GB a row
+    assert dsa.logits_rows_per_chunk(8192, 10**11, 75 * GB, 80 * GB) == 1  # never below one row
 
 
 @pytest.mark.gpu
