@@ -199,14 +199,31 @@ def _merge_candidates(buf, dst, held, count, offs_2k, width, NONE: tl.constexpr,
 
 
 @triton.jit
+def _shared_bar(seen_ptr, rows, live, KP: tl.constexpr, BITS: tl.constexpr):
+    """Per row of the block, a key that at least KP of the row's keys beat, from the counts the
+    row's programs have added so far to seen [rows, 2^BITS] (keys by their top BITS bits): one
+    below the smallest key of the highest bin with KP counted at or above it (NONE while there
+    is none). Every count is a key that exists, so a partial sum of them never overstates:
+    the bound holds whatever the other programs have added by the time of the load."""
+    NONE: tl.constexpr = -9223372036854775807 - 1
+    BINS: tl.constexpr = 1 << BITS
+    bins = tl.arange(0, BINS)
+    seen = tl.load(seen_ptr + rows[:, None] * BINS + bins[None, :], mask=live[:, None], other=0,
+                   cache_modifier=".cg")  # the atomics' values, in L2
+    at_or_above = tl.sum(seen, axis=1)[:, None] - tl.cumsum(seen, axis=1) + seen
+    b = tl.max(tl.where(at_or_above >= KP, bins[None, :], -1), axis=1).to(tl.int64)
+    return tl.where(b > 0, ((b << (64 - BITS)) ^ NONE) - 1, NONE)
+
+
+@triton.jit
 def _indexer_topk_kernel(
     q_ptr, w_ptr, k_ptr, table_ptr, row_req_ptr, row_len_ptr, block_start_ptr, block_end_ptr,
-    qs_ptr, ks_ptr, part_ptr, cand_ptr, tail_start_ptr, tail_bits_ptr, tail_skip_ptr,
+    qs_ptr, ks_ptr, part_ptr, cand_ptr, seen_ptr, tail_start_ptr, tail_bits_ptr, tail_skip_ptr,
     stride_qr, stride_qh, stride_wr, stride_k, stride_table, stride_qsr, stride_qsh, stride_ks,
     H, SPLIT_LEN, ROWS,
     D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr, KP: tl.constexpr,
     GROUP: tl.constexpr, DOT_DTYPE: tl.constexpr, GPU: tl.constexpr, TREE: tl.constexpr,
-    FIXED_BLOCKS: tl.constexpr,
+    FIXED_BLOCKS: tl.constexpr, SHARED_BITS: tl.constexpr,
 ):
     # One program: up to BLOCK_M consecutive rows of one request, sharing every K tile, over
     # positions [SPLIT_LEN * split, SPLIT_LEN * (split + 1)) of their history. Fixed blocks
@@ -251,11 +268,19 @@ def _indexer_topk_kernel(
                          TREE)
         beats = key > bar[:, None]
         if tl.max(tl.max(beats.to(tl.int32), axis=1), axis=0) > 0:  # late in a history, most tiles add nothing
+            if SHARED_BITS:  # counted for the row's other programs (see _shared_bar)
+                tl.atomic_add(seen_ptr + rows[:, None] * (1 << SHARED_BITS) + _digit(key, 64 - SHARED_BITS, SHARED_BITS),
+                              beats.to(tl.int32), mask=beats, sem="relaxed")
             at = count[:, None] + tl.cumsum(beats.to(tl.int32), axis=1) - 1
             tl.store(buf + KP + at, key, mask=beats)
             count += tl.sum(beats.to(tl.int32), axis=1)
             if tl.max(count, axis=0) > KP - BLOCK_S:  # the buffer might not take the next tile
-                held, bar, count = _merge_candidates(buf, buf, held, count, offs_2k, KP, NONE, KP, GPU)
+                held, merged_bar, count = _merge_candidates(buf, buf, held, count, offs_2k, KP, NONE, KP, GPU)
+                bar = tl.maximum(bar, merged_bar)
+        if SHARED_BITS:  # after this program's tiles 1, 2, 4, 8, ...: the bar the whole row's keys so far give
+            t = (s0 - lo) // BLOCK_S
+            if (t & (t + 1)) == 0:
+                bar = tl.maximum(bar, _shared_bar(seen_ptr, rows, live, KP, SHARED_BITS))
     # The split's best min(KP, SPLIT_LEN) keys, by position; order_keys selects across splits.
     width = tl.minimum(SPLIT_LEN, KP)
     part = part_ptr + (rows[:, None] * tl.num_programs(1) + tl.program_id(1)) * width
@@ -275,6 +300,13 @@ def _row_blocks(row_req: torch.Tensor, block_m: int) -> tuple[torch.Tensor, torc
     ends = torch.cat([starts[1:], starts.new_tensor([R])])
     return starts, ends
 
+
+# The programs that split one row's history share a bar: each counts the keys it keeps by
+# their top SHARED_BAR_BITS bits (the score's sign, exponent and leading mantissa bits) in a
+# histogram of the row's, and from it takes a key that KP of the row's keys already beat
+# (_shared_bar). A program alone finds its KP-th best only after KP positions, and on short
+# splits that is most of its split; with the row's counts the bar rises after a tile.
+SHARED_BAR_BITS = 11
 
 # The fewest tiles a split of the history gets: below it a program's fixed work (its
 # queries, the final merge and write) outweighs its share of the scoring.
@@ -664,15 +696,17 @@ def indexer_topk(
         splits = triton.cdiv(history, split_len)
         part = torch.empty(R, splits, min(kp, split_len), dtype=torch.int64, device=q.device)
         cand = torch.empty(blocks * splits * block_m * 2 * kp, dtype=torch.int64, device=q.device)
+        shared_bits = SHARED_BAR_BITS if splits > 1 else 0  # one program a row has no one to share with
+        seen = torch.zeros(R if shared_bits else 1, 1 << shared_bits, dtype=torch.int32, device=q.device)
         _indexer_topk_kernel[(blocks, splits)](
-            q, weights, index_k, req_to_token, row_req, row_len, starts, ends, q_scale, k_scale, part, cand,
+            q, weights, index_k, req_to_token, row_req, row_len, starts, ends, q_scale, k_scale, part, cand, seen,
             *((row_len,) * 3 if tree is None else (tail_start, tail_bits, tail_skip)),
             q.stride(0), q.stride(1), weights.stride(0), index_k.stride(0), req_to_token.stride(0),
             q_scale.stride(0), q_scale.stride(1), k_scale.stride(0),
             H, split_len, R,
             D=D, BLOCK_M=block_m, BLOCK_H=block_h, BLOCK_S=block_s, KP=kp, GROUP=group, DOT_DTYPE=dot_dtype,
             GPU=not isinstance(_indexer_topk_kernel, InterpretedFunction), TREE=tree is not None,
-            FIXED_BLOCKS=fixed, num_warps=num_warps, num_stages=num_stages,
+            FIXED_BLOCKS=fixed, SHARED_BITS=shared_bits, num_warps=num_warps, num_stages=num_stages,
         )
         order = order_keys if R * kp * kp <= ORDER_KEYS_WORK else order_keys_torch
         idx, scores = order(part, topk)

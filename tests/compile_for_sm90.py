@@ -73,11 +73,11 @@ def cases():
     qd, qs = mxfp8.quantize_mxfp8_torch(q.float())
     kd, ks = mxfp8.quantize_mxfp8_torch(k.float())
     out = []
-    for block_m, kind in ((1, "decode"), (_EXTEND_ROW_BLOCK, "extend")):
+    for block_m, kind in ((1, "decode"), (_EXTEND_ROW_BLOCK, "extend")):  # split as on a GPU (the shared bar's code)
         out.append((f"indexer_topk[{kind},bf16]", lambda b=block_m: indexer_topk.indexer_topk(
-            q, w, k, table, row_req, row_len, 2048, block_m=b)))
+            q, w, k, table, row_req, row_len, 2048, block_m=b, programs=264)))
         out.append((f"indexer_topk[{kind},mxfp8]", lambda b=block_m: indexer_topk.indexer_topk(
-            qd, w, kd, table, row_req, row_len, 2048, block_m=b, q_scale=qs, k_scale=ks)))
+            qd, w, kd, table, row_req, row_len, 2048, block_m=b, q_scale=qs, k_scale=ks, programs=264)))
     # A row of 32K keys or more (one long decode row's splits) starts its select with the wide digit.
     keys = indexer_topk.encode_keys_torch(torch.randn(1, indexer_topk.WIDE_DIGIT_MIN_KEYS, generator=g),
                                           torch.arange(indexer_topk.WIDE_DIGIT_MIN_KEYS).view(1, -1))

@@ -187,6 +187,41 @@ def test_positions_come_back_ascending_with_the_padding_last():
         assert bool(torch.isfinite(row_scores[:len(real)]).all())
 
 
+@pytest.mark.parametrize("order", ["random", "rising", "falling", "tied"])
+def test_a_rows_programs_share_a_bar_and_stay_exact(monkeypatch, order):
+    """The programs splitting one row's history count the keys they keep in the row's
+    histogram and raise their bar to what it proves (_shared_bar): the selection stays the
+    reference's whether the best keys come first, last, anywhere, or all tie (the shared bar
+    then admits the whole tied bin), and on random scores the programs hand the ordering
+    fewer keys than with every program on its own."""
+    L, K = 1024, 32
+    g = torch.Generator().manual_seed(7)
+    score = {"random": torch.randn(L, generator=g), "rising": torch.arange(L) / L + 1,
+             "falling": 2 - torch.arange(L) / L, "tied": torch.ones(L)}[order]
+    k = torch.stack([score, torch.zeros(L)], 1).repeat(1, 8)  # [L, 16]: q picks the score out
+    q = torch.zeros(1, 1, 16)
+    q[0, 0, 0] = 1.0
+    args = (q, torch.ones(1, 1), k, torch.randperm(L, generator=g).to(torch.int32)[None],
+            torch.zeros(1, dtype=torch.int32), torch.tensor([L], dtype=torch.int32))
+    args = tuple(a.to(DEVICE) for a in args)
+    handed = {}
+    order_keys = _module.order_keys
+
+    def spy(part, topk):
+        handed[bits] = int((part != torch.iinfo(torch.int64).min).sum())
+        return order_keys(part, topk)
+
+    monkeypatch.setattr(_module, "order_keys", spy)
+    ref_idx, ref_scores = indexer_topk_torch(*args, K, return_scores=True)
+    for bits in (0, _module.SHARED_BAR_BITS):
+        monkeypatch.setattr(_module, "SHARED_BAR_BITS", bits)
+        idx, scores = indexer_topk(*args, K, return_scores=True, block_s=16, programs=8)
+        assert torch.equal(idx.cpu(), ref_idx.cpu()) and torch.equal(scores.cpu(), ref_scores.cpu())
+    assert handed[0] == 8 * K  # 8 splits, each its own Top-KP
+    if order == "random":
+        assert handed[_module.SHARED_BAR_BITS] < handed[0]
+
+
 @pytest.mark.parametrize("programs", [1, 4, 64])
 def test_splits_shorter_than_k_hand_over_every_key(programs):
     """A few long rows spread over many programs: at programs=64 the history splits into
