@@ -699,8 +699,11 @@ def indexer_topk(
         splits = triton.cdiv(history, split_len)
         part = torch.empty(R, splits, min(kp, split_len), dtype=torch.int64, device=q.device)
         cand = torch.empty(blocks * splits * block_m * 2 * kp, dtype=torch.int64, device=q.device)
-        shared_bits = SHARED_BAR_BITS if splits > 1 else 0  # one program a row has no one to share with
-        seen = torch.zeros(R if shared_bits else 1, 1 << shared_bits, dtype=torch.int32, device=q.device)
+        # One program a row has no one to share with. A split no longer than KP keeps all its
+        # keys alone; sharing would cut them, but at 1 x 4K-128K (splits of 512, H100, run 78)
+        # its atomics, 8-264 programs on one row's bins, cost more than the ordering saved.
+        shared_bits = SHARED_BAR_BITS if splits > 1 and split_len > kp else 0
+        seen = torch.zeros(R, 1 << shared_bits, dtype=torch.int32, device=q.device) if shared_bits else part  # unused
         _indexer_topk_kernel[(blocks, splits)](
             q, weights, index_k, req_to_token, row_req, row_len, starts, ends, q_scale, k_scale, part, cand, seen,
             *((row_len,) * 3 if tree is None else (tail_start, tail_bits, tail_skip)),

@@ -73,11 +73,19 @@ def cases():
     qd, qs = mxfp8.quantize_mxfp8_torch(q.float())
     kd, ks = mxfp8.quantize_mxfp8_torch(k.float())
     out = []
-    for block_m, kind in ((1, "decode"), (_EXTEND_ROW_BLOCK, "extend")):  # split as on a GPU (the shared bar's code)
-        out.append((f"indexer_topk[{kind},bf16]", lambda b=block_m: indexer_topk.indexer_topk(
-            q, w, k, table, row_req, row_len, 2048, block_m=b, programs=264)))
-        out.append((f"indexer_topk[{kind},mxfp8]", lambda b=block_m: indexer_topk.indexer_topk(
-            qd, w, kd, table, row_req, row_len, 2048, block_m=b, q_scale=qs, k_scale=ks, programs=264)))
+    # Split as on a GPU: into splits of 512 (no shared bar), and a history twice as long into
+    # two splits longer than KP (the shared bar's code).
+    long_k, long_ks = torch.cat([k, k]), torch.cat([ks, ks])
+    long_kd, long_table = torch.cat([kd, kd]), torch.arange(2 * hist, dtype=torch.int32).view(1, 2 * hist)
+    for block_m, kind in ((1, "decode"), (_EXTEND_ROW_BLOCK, "extend")):
+        for (kk, kkd, kks, tab, lens, programs, bar) in ((k, kd, ks, table, row_len, 264, ""),
+                                                         (long_k, long_kd, long_ks, long_table, row_len + hist,
+                                                          2 * rows // min(block_m, 2), ",shared bar")):
+            out.append((f"indexer_topk[{kind},bf16{bar}]", lambda b=block_m, kk=kk, tab=tab, lens=lens, p=programs:
+                        indexer_topk.indexer_topk(q, w, kk, tab, row_req, lens, 2048, block_m=b, programs=p)))
+            out.append((f"indexer_topk[{kind},mxfp8{bar}]",
+                        lambda b=block_m, kkd=kkd, kks=kks, tab=tab, lens=lens, p=programs: indexer_topk.indexer_topk(
+                            qd, w, kkd, tab, row_req, lens, 2048, block_m=b, q_scale=qs, k_scale=kks, programs=p)))
     # A row of 32K keys or more (one long decode row's splits) starts its select with the wide digit.
     keys = indexer_topk.encode_keys_torch(torch.randn(1, indexer_topk.WIDE_DIGIT_MIN_KEYS, generator=g),
                                           torch.arange(indexer_topk.WIDE_DIGIT_MIN_KEYS).view(1, -1))
