@@ -35,7 +35,8 @@ from triton.testing import do_bench, do_bench_cudagraph
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from sglang_hybrid.kernels import mxfp8  # noqa: E402
 import sglang_dsa_indexer  # noqa: E402
-from sparse_path_timing import D, HI, TOPK, hbm_copy_gbps, paged_history, parse_case, unfused_indexer  # noqa: E402
+from sparse_path_timing import (D, HI, TOPK, gemm_tflops, hbm_copy_gbps, paged_history, parse_case,  # noqa: E402
+                                 unfused_indexer)
 
 
 def load_variant(spec: str):
@@ -75,7 +76,7 @@ def overlap(a: torch.Tensor, b: torch.Tensor) -> float:
 def sglang_dsa(case: dict, q, w, k, table, row_len, first, bw: float, prefill: bool) -> None:
     """SGLang's own indexer on the case's keys, recorded in case: the whole pipeline (decode:
     CUDA-graph medians, and its logits launch alone; prefill: eager, with its logits chunking);
-    its index-K byte floor (132 B a key it reads); its selection's overlap with the first
+    at decode its index-K byte floor (132 B a key it reads); its selection's overlap with the first
     variant's. Where it does not run, why."""
     try:
         if prefill:
@@ -87,7 +88,7 @@ def sglang_dsa(case: dict, q, w, k, table, row_len, first, bw: float, prefill: b
             case["sglang_dsa_overlap_with_first"] = overlap(select(), first)
             case["sglang_dsa_ms"] = do_bench_cudagraph(select, return_mode="median")
             case["sglang_dsa_logits_ms"] = do_bench_cudagraph(logits, return_mode="median")
-        case["sglang_dsa_byte_floor_ms"] = int(row_len.sum()) * (k.shape[1] + 4) / bw / 1e6
+            case["sglang_dsa_byte_floor_ms"] = int(row_len.sum()) * (k.shape[1] + 4) / bw / 1e6
     except Exception as e:  # noqa: BLE001 (a baseline that cannot run here is reported, not fatal)
         case["sglang_dsa_error"] = repr(e)[:500]
     torch.cuda.empty_cache()
@@ -106,6 +107,8 @@ def main() -> None:
     variants = [load_variant(v) for v in args.variant]
     bw = hbm_copy_gbps()
     results = {"device": torch.cuda.get_device_name(), "hbm_copy_GBps": bw, "variants": args.variant, "cases": []}
+    if any(spec.startswith("prefill") for spec in args.case):  # prefill reads a key once for many rows
+        results["gemm_TFLOPs"] = {"bf16": gemm_tflops(), "fp8": gemm_tflops(fp8=True)}
     seen: dict[str, int] = {}
     for spec, (kind, reqs, length) in zip(args.case, map(parse_case, args.case)):
         # A case's inputs depend on the case and how often it came before, not on the other
@@ -132,6 +135,9 @@ def main() -> None:
             byte_floor_ms = (visible * (D + D // 32) + q8.numel() + scales["q_scale"].numel()) / bw / 1e6
         case = {"kind": kind, "requests": reqs, "history": length, "draw": draw,
                 "index": "mxfp8" if args.mxfp8 else "bf16", "byte_floor_ms": byte_floor_ms}
+        if prefill:  # a tiled prefill reads each key once per block of rows: its floor is the dots
+            case.update({f"flop_floor_ms[{t}]": 2 * HI * D * visible / rate / 1e9
+                         for t, rate in results["gemm_TFLOPs"].items()})
         median = (lambda fn: do_bench(fn, return_mode="median")) if prefill else (
             lambda fn: do_bench_cudagraph(fn, return_mode="median"))
 

@@ -45,9 +45,14 @@ def hbm_copy_gbps() -> float:
     return 2 * x.numel() / bench(lambda: y.copy_(x)) / 1e6  # read + write, GB/s
 
 
-def gemm_tflops() -> float:
+def gemm_tflops(fp8: bool = False) -> float:
+    """A dense 8192^3 matmul's rate, BF16 or FP8 e4m3 (torch._scaled_mm, bf16 out): the
+    measured ceiling a compute-bound launch is held to."""
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    return 2 * 8192**3 / bench(lambda: a @ a) / 1e9
+    if not fp8:
+        return 2 * 8192**3 / bench(lambda: a @ a) / 1e9
+    a8, one = a.to(torch.float8_e4m3fn), torch.ones((), device="cuda")
+    return 2 * 8192**3 / bench(lambda: torch._scaled_mm(a8, a8.t(), one, one, out_dtype=torch.bfloat16)) / 1e9
 
 
 def bench(fn, graph: bool = False) -> float:

@@ -98,8 +98,11 @@ def test_prefill_logits_chunk_as_sglang_budgets_them():
 @pytest.mark.gpu
 def test_sglang_logits_and_top_k_match_pytorch_on_the_same_fp8_inputs():
     """SGLang's own launches (DeepGEMM paged MQA logits, sgl-kernel fast_topk_v2) over the
-    converted pages: the logits equal the PyTorch sum over the dequantized FP8 inputs (fp32
-    rounding), and the Top-K is that sum's, up to near ties."""
+    converted pages: the logits equal the PyTorch sum over the dequantized FP8 inputs within
+    the FP8 MMA's accumulation, and the Top-K is that sum's, up to near ties. Hopper's FP8 MMA
+    keeps about 14 bits of its running sums (DeepSeek-V3 report, 3.3.2): run 78 saw errors up
+    to 1.6e-5 of sum_h |w_h| sum_d |q_hd k_d| (1.0 on a logit of ~500), over 5.6% of them,
+    beyond fp32 rounding; a wrong scale or key is off by the logit itself."""
     reqs, length, H, topk = 2, 4096, 64, 2048
     k, table = _paged(reqs, length, seed=1)
     g = torch.Generator().manual_seed(2)
@@ -111,7 +114,10 @@ def test_sglang_logits_and_top_k_match_pytorch_on_the_same_fp8_inputs():
     for r in range(reqs):
         n = int(row_len[r])
         want = dsa.reference_logits(q8[r], w8[r], buf, table[r, :n])
-        torch.testing.assert_close(got[r, :n], want, rtol=1e-3, atol=1e-2)
+        keys = dsa.from_dsa_pages(buf)[table[r, :n].long()]
+        size = (torch.einsum("hd,ld->hl", q8[r].float().abs(), keys.abs()) * w8[r].abs()[:, None]).sum(0)
+        assert bool(((got[r, :n] - want).abs() <= 2**-13 * size + 1e-2).all())
+        assert float((got[r, :n] - want).abs().max()) < 0.01 * float(want.abs().median())
         best = set(want.topk(topk).indices.tolist())
         assert len(best & set(picked[r].tolist())) >= 0.99 * topk
 
