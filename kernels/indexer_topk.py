@@ -23,10 +23,10 @@ Each program keeps, per row, a running Top-KP (KP = next_pow2(K)) and a candidat
 buffer of KP keys, both in global memory (2 KP keys per row, L2-resident: a bound per
 program, never per position). A scored tile keeps only the keys that beat the running
 KP-th best (the bar: a key below it can never enter, the set only improves) and appends
-them to the buffer. The programs that split one row's history also count the keys they
-keep in a histogram of the row's (by the keys' top bits) and raise their bar to a key that
-KP of the row's keys already beat (_shared_bar): a short split need not see KP positions of
-its own first. When the buffer might not take the next tile, the running set and
+them to the buffer. Where a row's history is split into parts longer than KP, its programs
+also count the keys they keep in a histogram of the row's (by the keys' top bits) and raise
+their bar to a key that KP of the row's keys already beat (_shared_bar): a split need not
+see KP positions of its own first. When the buffer might not take the next tile, the running set and
 the candidates are merged: a threshold that exactly KP of them reach is found two bits
 a pass from the top (one block-wide count per pass, stopping once the KP-th best is
 separated from the next; no sort) and the keys that reach it kept, in the order they came. Over n

@@ -223,13 +223,20 @@ def test_a_rows_programs_share_a_bar_and_stay_exact(monkeypatch, order):
 
 
 @pytest.mark.parametrize("programs", [1, 4, 64])
-def test_splits_shorter_than_k_hand_over_every_key(programs):
+def test_splits_shorter_than_k_hand_over_every_key(monkeypatch, programs):
     """A few long rows spread over many programs: at programs=64 the history splits into
     splits shorter than KP (K = 200, KP 256, splits of 64 positions), each writing all its
-    keys; the ragged last split and a row shorter than the table (its later splits empty)
-    included. The same positions and scores as the reference."""
+    keys (no shared bar there: every key of both rows reaches the ordering); the ragged last
+    split and a row shorter than the table (its later splits empty) included. The same
+    positions and scores as the reference."""
     args = _case([1000, 333], [0, 1], 4, 16, 1000, integer=True, dtype=torch.float32)
+    handed = []
+    order_keys = _module.order_keys
+    monkeypatch.setattr(_module, "order_keys", lambda part, topk: handed.append(
+        int((part != torch.iinfo(torch.int64).min).sum())) or order_keys(part, topk))
     idx, scores = indexer_topk(*args, 200, return_scores=True, block_s=16, programs=programs)
+    if programs == 64:
+        assert handed == [1000 + 333]
     ref_idx, ref_scores = indexer_topk_torch(*args, 200, return_scores=True)
     assert torch.equal(idx.cpu(), ref_idx.cpu())
     assert torch.equal(scores.cpu(), ref_scores.cpu())
