@@ -12,9 +12,9 @@ Each variant's selection must be the first's set (all are exact).
 
 A path followed by @NAME=VALUE (repeatable) loads that file with the module constant NAME
 set to VALUE (a number). Cases are decode:BATCHxHISTORY (one row per request, CUDA-graph
-medians) or prefill:HISTORY (one request, every position a causal row, eager medians, as
-sparse_path_timing times them); BF16, or with --mxfp8 the MXFP8 index cache and queries,
-group 32; 4 warps. The variants are timed in order, then again in reverse order, and both
+medians) or prefill:HISTORY (one request, every position a causal row, in the backend's
+row blocks, _EXTEND_ROW_BLOCK; runs 78-79 had one row a block; eager medians); BF16, or
+with --mxfp8 the MXFP8 index cache and queries, group 32; 4 warps. The variants are timed in order, then again in reverse order, and both
 are kept; each variant's GPU time per kernel comes from the torch profiler (kernel_us). A
 case given several times is timed on that many random draws (the selection rounds' work
 depends on the scores). --sglang-dsa adds SGLang's own DSA indexer on the same keys as a
@@ -34,6 +34,7 @@ from triton.testing import do_bench, do_bench_cudagraph
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from sglang_hybrid.kernels import mxfp8  # noqa: E402
+from sglang_hybrid.layers.sparse_mla_backend import _EXTEND_ROW_BLOCK  # noqa: E402
 import sglang_dsa_indexer  # noqa: E402
 from sparse_path_timing import (D, HI, TOPK, gemm_tflops, hbm_copy_gbps, paged_history, parse_case,  # noqa: E402
                                  unfused_indexer)
@@ -141,10 +142,12 @@ def main() -> None:
         median = (lambda fn: do_bench(fn, return_mode="median")) if prefill else (
             lambda fn: do_bench_cudagraph(fn, return_mode="median"))
 
+        options = {"block_m": _EXTEND_ROW_BLOCK} if prefill else {}  # as the backend serves extend rows
+
         def run(module):
             if args.mxfp8:
-                return lambda: module.indexer_topk(q8, w, k8, table, row_req, row_len, TOPK, **scales)
-            return lambda: module.indexer_topk(q, w, k, table, row_req, row_len, TOPK)
+                return lambda: module.indexer_topk(q8, w, k8, table, row_req, row_len, TOPK, **scales, **options)
+            return lambda: module.indexer_topk(q, w, k, table, row_req, row_len, TOPK, **options)
 
         first = run(variants[0][1])()
         for name, module in variants:
