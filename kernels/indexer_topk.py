@@ -37,8 +37,8 @@ kernel writes each program's KP keys unsorted (run 19: Triton's sort of 4096 key
 alone ran at 93% of copy bandwidth); each merge keeps its keys in the order they came,
 so a split's keys stay in ascending position. The ordering stage then takes the best K
 over a row's splits: order_keys (a radix select of the K-th best key, then every key at or
-above it written out in order, in Triton), or torch.topk over the keys for batches past
-ORDER_KEYS_WORK (run 58).
+above it written out in order, in Triton), at every batch: it beat torch.topk over the same
+keys from 1 decode row (run 58) to prefill's 64K rows (1.2-1.8x, run 80).
 A program serves up to block_m consecutive rows of one request (the rows of a prefill
 chunk or of a verify step): each K tile is loaded once for all of them, one dot gives
 every row's logits, and the rows keep their running Top-Ks side by side.
@@ -521,12 +521,6 @@ def _chunk_write_kernel(part_ptr, bound_ptr, need_ptr, count_ptr, idx_ptr, score
         tl.store(score_ptr + row * TOPK + s, tl.full([BLOCK], float("-inf"), tl.float32), mask=pad)
 
 
-# The most rows x KP^2 for which indexer_topk orders with order_keys; torch.topk past it.
-# At K = 2048 order_keys beat torch.topk at every decode row count measured, up to 64
-# (H100, run 66, when it still ranked by score; by position it is faster, run 76); larger
-# batches (prefill chunks) are unmeasured and keep torch.topk.
-ORDER_KEYS_WORK = 64 * 2048 * 2048
-
 # Keys the one-program rounds after the first read per loop step. 2048 and 4096 (fewer,
 # wider steps) lost 1-7 us at one row and tied elsewhere (H100, run 77).
 SELECT_REST_KEYS = 1024
@@ -634,8 +628,8 @@ def indexer_topk(
     (tests/compile_for_sm90.py compiles the served shapes).
     programs: about how many programs to run (default: 2 per SM). When there are fewer row
     blocks, the history is split across programs (split-K, as in flash-decoding) and the
-    splits' Top-Ks are merged by the torch.topk that orders them anyway: a few KP-wide rows
-    per query row, never a score per position. num_warps: per program. num_stages: Triton's software
+    splits' Top-Ks are merged by the ordering that orders them anyway (order_keys): a few
+    KP-wide rows per query row, never a score per position. num_warps: per program. num_stages: Triton's software
     pipelining depth for the tile loads (loading the next tile by hand into registers
     instead measured no faster, run 18); the page-table lookup takes one stage of it, and
     below 5 no tile loads while another computes (tests/compile_for_sm90.py reports it as
@@ -714,8 +708,7 @@ def indexer_topk(
             GPU=not isinstance(_indexer_topk_kernel, InterpretedFunction), TREE=tree is not None,
             FIXED_BLOCKS=fixed, SHARED_BITS=shared_bits, num_warps=num_warps, num_stages=num_stages,
         )
-        order = order_keys if R * kp * kp <= ORDER_KEYS_WORK else order_keys_torch
-        idx, scores = order(part, topk)
+        idx, scores = order_keys(part, topk)
     return (idx, scores) if return_scores else idx
 
 

@@ -65,19 +65,6 @@ def test_exact_inputs_match_reference_including_ties(row_lens, reqs, H, D, topk,
     assert torch.equal(scores.cpu(), ref_scores.cpu())
 
 
-@pytest.mark.parametrize("row_lens, reqs, H, D, topk", SHAPES)
-def test_batches_past_the_ordering_kernels_work_bound_order_with_torch(row_lens, reqs, H, D, topk, monkeypatch):
-    """A batch whose rows x KP^2 passes ORDER_KEYS_WORK (prefill chunks, wide verify
-    batches) is ordered by torch.topk over the same keys: the same positions and scores."""
-    monkeypatch.setattr(_module, "ORDER_KEYS_WORK", 0)
-    monkeypatch.setattr(_module, "order_keys", None)  # fails if it were still called
-    args = _case(row_lens, reqs, H, D, max(max(row_lens), 1), integer=True, dtype=torch.float32)
-    idx, scores = indexer_topk(*args, topk, return_scores=True, block_s=16, programs=64)
-    ref_idx, ref_scores = indexer_topk_torch(*args, topk, return_scores=True)
-    assert torch.equal(idx.cpu(), ref_idx.cpu())
-    assert torch.equal(scores.cpu(), ref_scores.cpu())
-
-
 @pytest.mark.parametrize("per_request, block_m", [(4, 4), (3, 4), (6, 4), (1, 2)])
 def test_fixed_rows_per_request_match_reference(per_request, block_m):
     """Speculative verify: the same number of causal rows for every request, in fixed row
