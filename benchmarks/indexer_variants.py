@@ -14,11 +14,12 @@ A path followed by @NAME=VALUE (repeatable) loads that file with the module cons
 set to VALUE (a number). Cases are decode:BATCHxHISTORY (one row per request, CUDA-graph
 medians) or prefill:HISTORY (one request, every position a causal row, in the backend's
 row blocks, _EXTEND_ROW_BLOCK; runs 78-79 had one row a block; eager medians); BF16, or
-with --mxfp8 the MXFP8 index cache and queries, group 32; 4 warps. The variants are timed in order, then again in reverse order, and both
-are kept; each variant's GPU time per kernel comes from the torch profiler (kernel_us). A
-case given several times is timed on that many random draws (the selection rounds' work
-depends on the scores). --sglang-dsa adds SGLang's own DSA indexer on the same keys as a
-second baseline (sglang_dsa_indexer.py: its decode or its prefill pipeline).
+with --mxfp8 the MXFP8 index cache and queries, group 32 (--group to change it); 4 warps.
+The variants are timed in order, then again in reverse order, and both are kept; each
+variant's GPU time per kernel comes from the torch profiler (kernel_us). A case given
+several times is timed on that many random draws (the selection rounds' work depends on
+the scores). --sglang-dsa adds SGLang's own DSA indexer on the same keys as a second
+baseline (sglang_dsa_indexer.py: its decode or its prefill pipeline).
 """
 
 from __future__ import annotations
@@ -101,6 +102,7 @@ def main() -> None:
     ap.add_argument("--case", action="append", required=True, metavar="decode:BATCHxHISTORY|prefill:HISTORY")
     ap.add_argument("--out", required=True)
     ap.add_argument("--mxfp8", action="store_true", help="MXFP8 queries and index-K cache (group 32)")
+    ap.add_argument("--group", type=int, default=32, help="the MXFP8 group size (128: one scale a vector)")
     ap.add_argument("--sglang-dsa", action="store_true",
                     help="also time SGLang's own DSA indexer (DeepGEMM paged logits + sgl-kernel top-k; "
                          "benchmarks/sglang_dsa_indexer.py) on the same keys in its FP8 page layout")
@@ -132,10 +134,11 @@ def main() -> None:
         byte_floor_ms = (visible * D * 2 + q.numel() * 2) / bw / 1e6
         scales = {}
         if args.mxfp8:  # the unfused baseline keeps the BF16 inputs; the byte floor is MXFP8's own
-            (q8, scales["q_scale"]), (k8, scales["k_scale"]) = mxfp8.quantize_mxfp8(q), mxfp8.quantize_mxfp8(k)
-            byte_floor_ms = (visible * (D + D // 32) + q8.numel() + scales["q_scale"].numel()) / bw / 1e6
+            (q8, scales["q_scale"]), (k8, scales["k_scale"]) = (mxfp8.quantize_mxfp8(q, args.group),
+                                                                mxfp8.quantize_mxfp8(k, args.group))
+            byte_floor_ms = (visible * (D + D // args.group) + q8.numel() + scales["q_scale"].numel()) / bw / 1e6
         case = {"kind": kind, "requests": reqs, "history": length, "draw": draw,
-                "index": "mxfp8" if args.mxfp8 else "bf16"}
+                "index": f"mxfp8, group {args.group}" if args.mxfp8 else "bf16"}
         if prefill:  # a tiled prefill reads each key once per block of rows: its floor is the dots
             case.update({f"flop_floor_ms[{t}]": 2 * HI * D * visible / rate / 1e9
                          for t, rate in results["gemm_TFLOPs"].items()})

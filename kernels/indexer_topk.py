@@ -665,7 +665,9 @@ def indexer_topk(
     else:
         q_scale = k_scale = q  # unused placeholders
     # Dequantized MXFP8 values are exact in bf16; the interpreter cannot run bf16, fp32 is exact too.
-    dot_dtype = (tl.bfloat16 if q.is_cuda else tl.float32) if group else _TL_DTYPES[q.dtype]
+    # (Compiled, not interpreted, as on a GPU: tests/compile_for_sm90.py compiles what runs there.)
+    gpu = not isinstance(_indexer_topk_kernel, InterpretedFunction)
+    dot_dtype = (tl.bfloat16 if gpu else tl.float32) if group else _TL_DTYPES[q.dtype]
     kp = max(triton.next_power_of_2(topk), 16)
     if kp > 16384:  # a merge counts its 2 KP keys in 16-bit fields
         raise ValueError(f"topk must be at most 16384, got {topk}")
@@ -705,7 +707,7 @@ def indexer_topk(
             q_scale.stride(0), q_scale.stride(1), k_scale.stride(0),
             H, split_len, R,
             D=D, BLOCK_M=block_m, BLOCK_H=block_h, BLOCK_S=block_s, KP=kp, GROUP=group, DOT_DTYPE=dot_dtype,
-            GPU=not isinstance(_indexer_topk_kernel, InterpretedFunction), TREE=tree is not None,
+            GPU=gpu, TREE=tree is not None,
             FIXED_BLOCKS=fixed, SHARED_BITS=shared_bits, num_warps=num_warps, num_stages=num_stages,
         )
         idx, scores = order_keys(part, topk)

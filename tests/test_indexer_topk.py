@@ -364,11 +364,12 @@ def _mxfp8(args, group):
 
 
 @pytest.mark.parametrize("row_lens, reqs, H, D, topk", SHAPES)
-def test_mxfp8_exact_inputs_match_reference_including_ties(row_lens, reqs, H, D, topk):
-    """Small integers quantize exactly to MXFP8, so scores and the tie rule stay exact."""
-    group = 32 if D >= 32 else 16  # the default group, or two groups of a 16-wide head
+@pytest.mark.parametrize("groups", [1, 2])
+def test_mxfp8_exact_inputs_match_reference_including_ties(row_lens, reqs, H, D, topk, groups):
+    """Small integers quantize exactly to MXFP8, so scores and the tie rule stay exact, with
+    one scale a vector and with two groups a vector."""
     args, scales = _mxfp8(_case(row_lens, reqs, H, D, max(max(row_lens), 1), integer=True,
-                                dtype=torch.float32), group)
+                                dtype=torch.float32), D // groups)
     idx, scores = indexer_topk(*args, topk, return_scores=True, block_s=16, block_m=4, **scales)
     ref_idx, ref_scores = indexer_topk_torch(*args, topk, return_scores=True, **scales)
     assert torch.equal(idx.cpu(), ref_idx.cpu())
