@@ -26,8 +26,8 @@ KP-th best (the bar: a key below it can never enter, the set only improves) and 
 them to the buffer. Where a row's history is split into parts longer than KP, its programs
 also count the keys they keep in a histogram of the row's (by the keys' top bits) and raise
 their bar to a key that KP of the row's keys already beat (_shared_bar): a split need not
-see KP positions of its own first. When the buffer might not take the next tile, the running set and
-the candidates are merged: a threshold that exactly KP of them reach is found two bits
+see KP positions of its own first. When the buffer might not take the next tile, the
+running set and the candidates are merged: a threshold that exactly KP of them reach is found two bits
 a pass from the top (one block-wide count per pass, stopping once the KP-th best is
 separated from the next; no sort) and the keys that reach it kept, in the order they came. Over n
 positions in random order about KP (1 + ln(n / KP)) keys ever beat the bar, so a program merges a few times; a

@@ -174,6 +174,18 @@ def test_positions_come_back_ascending_with_the_padding_last():
         assert bool(torch.isfinite(row_scores[:len(real)]).all())
 
 
+def _count_handed_keys(monkeypatch) -> list[int]:
+    """Appends to the returned list how many real keys each call hands the ordering."""
+    handed, order_keys = [], _module.order_keys
+
+    def spy(part, topk):
+        handed.append(int((part != torch.iinfo(torch.int64).min).sum()))
+        return order_keys(part, topk)
+
+    monkeypatch.setattr(_module, "order_keys", spy)
+    return handed
+
+
 @pytest.mark.parametrize("order", ["random", "rising", "falling", "tied"])
 def test_a_rows_programs_share_a_bar_and_stay_exact(monkeypatch, order):
     """The programs splitting one row's history count the keys they keep in the row's
@@ -191,22 +203,16 @@ def test_a_rows_programs_share_a_bar_and_stay_exact(monkeypatch, order):
     args = (q, torch.ones(1, 1), k, torch.randperm(L, generator=g).to(torch.int32)[None],
             torch.zeros(1, dtype=torch.int32), torch.tensor([L], dtype=torch.int32))
     args = tuple(a.to(DEVICE) for a in args)
-    handed = {}
-    order_keys = _module.order_keys
-
-    def spy(part, topk):
-        handed[bits] = int((part != torch.iinfo(torch.int64).min).sum())
-        return order_keys(part, topk)
-
-    monkeypatch.setattr(_module, "order_keys", spy)
+    handed = _count_handed_keys(monkeypatch)
     ref_idx, ref_scores = indexer_topk_torch(*args, K, return_scores=True)
     for bits in (0, _module.SHARED_BAR_BITS):
         monkeypatch.setattr(_module, "SHARED_BAR_BITS", bits)
         idx, scores = indexer_topk(*args, K, return_scores=True, block_s=16, programs=8)
         assert torch.equal(idx.cpu(), ref_idx.cpu()) and torch.equal(scores.cpu(), ref_scores.cpu())
-    assert handed[0] == 8 * K  # 8 splits, each its own Top-KP
+    alone, shared = handed
+    assert alone == 8 * K  # 8 splits, each its own Top-KP
     if order == "random":
-        assert handed[_module.SHARED_BAR_BITS] < handed[0]
+        assert shared < alone
 
 
 @pytest.mark.parametrize("programs", [1, 4, 64])
@@ -217,10 +223,7 @@ def test_splits_shorter_than_k_hand_over_every_key(monkeypatch, programs):
     split and a row shorter than the table (its later splits empty) included. The same
     positions and scores as the reference."""
     args = _case([1000, 333], [0, 1], 4, 16, 1000, integer=True, dtype=torch.float32)
-    handed = []
-    order_keys = _module.order_keys
-    monkeypatch.setattr(_module, "order_keys", lambda part, topk: handed.append(
-        int((part != torch.iinfo(torch.int64).min).sum())) or order_keys(part, topk))
+    handed = _count_handed_keys(monkeypatch)
     idx, scores = indexer_topk(*args, 200, return_scores=True, block_s=16, programs=programs)
     if programs == 64:
         assert handed == [1000 + 333]
