@@ -376,15 +376,15 @@ def _boundary(hist, rest, BINS: tl.constexpr = 256):
 @triton.jit
 def _chunk_stats_kernel(part_ptr, stats_ptr, hist_ptr, bound_ptr, N, BLOCK: tl.constexpr, FIRST_BITS: tl.constexpr):
     """Program (row, chunk): its real keys' maximum, minimum and count; chunk 0 also zeroes
-    the row's histogram and counter and sets its bound to the largest key (one launch fewer
-    than a fill)."""
+    the row's histograms and counters and sets its bound to the largest key (one launch
+    fewer than a fill)."""
     NONE: tl.constexpr = -9223372036854775807 - 1
-    BINS: tl.constexpr = 1 << FIRST_BITS
+    HS: tl.constexpr = (1 << FIRST_BITS) + 258  # see order_keys's hist
     row, c = tl.program_id(0).to(tl.int64), tl.program_id(1)
     if c == 0:
-        bins = tl.arange(0, BINS)
-        tl.store(hist_ptr + row * (BINS + 1) + bins, tl.zeros([BINS], tl.int32))
-        tl.store(hist_ptr + row * (BINS + 1) + BINS, 0)
+        bins, rest = tl.arange(0, 1 << FIRST_BITS), tl.arange(0, 512)
+        tl.store(hist_ptr + row * HS + bins, tl.zeros_like(bins))
+        tl.store(hist_ptr + row * HS + (1 << FIRST_BITS) + rest, tl.zeros_like(rest), mask=rest < 258)
         tl.store(bound_ptr + row, 9223372036854775807)
     offs = c * BLOCK + tl.arange(0, BLOCK)
     key = tl.load(part_ptr + row * N + offs, mask=offs < N, other=NONE)
@@ -401,59 +401,104 @@ def _chunk_histogram_kernel(part_ptr, stats_ptr, hist_ptr, N, TOPK, BLOCK: tl.co
     """Program (row, chunk): the first round's digit histogram of its real keys, added to the row's."""
     NONE: tl.constexpr = -9223372036854775807 - 1
     BINS: tl.constexpr = 1 << FIRST_BITS
+    HS: tl.constexpr = (1 << FIRST_BITS) + 258  # see order_keys's hist
     row, c = tl.program_id(0).to(tl.int64), tl.program_id(1)
     shift, _ = _row_start(stats_ptr, row, tl.num_programs(1), TOPK, C_POW2, FIRST_BITS)
     offs = c * BLOCK + tl.arange(0, BLOCK)
     key = tl.load(part_ptr + row * N + offs, mask=offs < N, other=NONE)
     hist = tl.histogram(_digit(key, shift, FIRST_BITS).to(tl.int32), BINS, mask=key != NONE)
-    tl.atomic_add(hist_ptr + row * (BINS + 1) + tl.arange(0, BINS), hist, mask=hist > 0)
+    tl.atomic_add(hist_ptr + row * HS + tl.arange(0, BINS), hist, mask=hist > 0)
+
+
+@triton.jit
+def _split(key, live, d, last, shift, bound_ptr, counter_ptr, rest_ptr, hist2_ptr, BITS: tl.constexpr,
+           NEXT_HIST: tl.constexpr):
+    """One chunk's part of a round: of its keys (live: real, or the round's candidates), those
+    above the boundary digit d (and on it, when the select ends there) are in the Top-K: the
+    row's bound falls to their smallest. Those on it go to rest, at offsets taken from the
+    row's counter, in no particular order; with NEXT_HIST, their next digit's histogram is
+    added to hist2 (the next round's, before it starts)."""
+    digit = _digit(key, shift, BITS)
+    up = live & ((digit > d) | (last & (digit == d)))
+    on = live & (digit == d) & ~last
+    tl.atomic_min(bound_ptr, tl.min(tl.where(up, key, 9223372036854775807)), mask=tl.max(up.to(tl.int32)) > 0)
+    n_on = tl.sum(on.to(tl.int32))
+    at_on = tl.atomic_add(counter_ptr, n_on, mask=n_on > 0)
+    tl.store(rest_ptr + at_on + tl.cumsum(on.to(tl.int32), 0) - 1, key, mask=on)
+    if NEXT_HIST:
+        hist2 = tl.histogram(_digit(key, shift - 8).to(tl.int32), 256, mask=on)
+        tl.atomic_add(hist2_ptr + tl.arange(0, 256), hist2, mask=hist2 > 0)
 
 
 @triton.jit
 def _chunk_split_kernel(part_ptr, stats_ptr, hist_ptr, bound_ptr, rest_ptr, N, TOPK,
                         BLOCK: tl.constexpr, C_POW2: tl.constexpr, FIRST_BITS: tl.constexpr):
-    """Program (row, chunk): the first round's split of its keys. Those above the boundary
-    digit (and on it, when the select ends there) are in the Top-K: the row's bound falls
-    to their smallest. Those on it go to rest (the next rounds' candidates), at offsets
-    taken from the row's counter after its histogram, in no particular order."""
+    """Program (row, chunk): the first round's split of its keys (_split), the second
+    round's histogram of those it keeps."""
     NONE: tl.constexpr = -9223372036854775807 - 1
     BINS: tl.constexpr = 1 << FIRST_BITS
+    HS: tl.constexpr = (1 << FIRST_BITS) + 258  # see order_keys's hist
     row, c = tl.program_id(0).to(tl.int64), tl.program_id(1)
     shift, need = _row_start(stats_ptr, row, tl.num_programs(1), TOPK, C_POW2, FIRST_BITS)
-    d, above, last = _boundary(tl.load(hist_ptr + row * (BINS + 1) + tl.arange(0, BINS)), need, BINS)
+    d, above, last = _boundary(tl.load(hist_ptr + row * HS + tl.arange(0, BINS)), need, BINS)
     offs = c * BLOCK + tl.arange(0, BLOCK)
     key = tl.load(part_ptr + row * N + offs, mask=offs < N, other=NONE)
-    digit = _digit(key, shift, FIRST_BITS)
-    real = key != NONE  # none when need is 0: need = min(TOPK, real keys), TOPK > 0
-    up = real & ((digit > d) | (last & (digit == d)))
-    on = real & (digit == d) & ~last
-    tl.atomic_min(bound_ptr + row, tl.min(tl.where(up, key, 9223372036854775807)), mask=tl.max(up.to(tl.int32)) > 0)
-    n_on = tl.sum(on.to(tl.int32))
-    at_on = tl.atomic_add(hist_ptr + row * (BINS + 1) + BINS, n_on, mask=n_on > 0)
-    tl.store(rest_ptr + row * N + at_on + tl.cumsum(on.to(tl.int32), 0) - 1, key, mask=on)
+    # No key is real when need is 0: need = min(TOPK, real keys), TOPK > 0.
+    _split(key, key != NONE, d, last, shift, bound_ptr + row, hist_ptr + row * HS + BINS, rest_ptr + row * N,
+           hist_ptr + row * HS + BINS + 1, FIRST_BITS, True)
+
+
+@triton.jit
+def _second_round(hist_ptr, row, shift, need, FIRST_BITS: tl.constexpr):
+    """Where the second round stands, from the row's two histograms: its shift, boundary
+    digit, whether it is the last, whether it runs at all, how many of the best are still
+    to find after it, and how many candidates it keeps."""
+    BINS: tl.constexpr = 1 << FIRST_BITS
+    HS: tl.constexpr = (1 << FIRST_BITS) + 258  # see order_keys's hist
+    d1, above1, last1 = _boundary(tl.load(hist_ptr + row * HS + tl.arange(0, BINS)), need, BINS)
+    runs = (~last1) & (need - above1 > 0)
+    hist2 = tl.load(hist_ptr + row * HS + BINS + 1 + tl.arange(0, 256))
+    d, above, last = _boundary(hist2, need - above1)
+    kept = tl.sum(tl.where(tl.arange(0, 256) == d, hist2, 0))
+    return shift - 8, d, last, runs, need - above1 - above, tl.where(last, 0, kept)
+
+
+@triton.jit
+def _chunk_split2_kernel(stats_ptr, hist_ptr, bound_ptr, rest_ptr, rest2_ptr, N, TOPK,
+                         BLOCK: tl.constexpr, C_POW2: tl.constexpr, FIRST_BITS: tl.constexpr):
+    """Program (row, chunk): the second round's split of the first's candidates
+    (rest[row, :n]), in chunks as the first round's; its candidates go to rest2."""
+    NONE: tl.constexpr = -9223372036854775807 - 1
+    BINS: tl.constexpr = 1 << FIRST_BITS
+    HS: tl.constexpr = (1 << FIRST_BITS) + 258  # see order_keys's hist
+    row, c = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    shift, need = _row_start(stats_ptr, row, tl.num_programs(1), TOPK, C_POW2, FIRST_BITS)
+    shift, d, last, runs, _, _ = _second_round(hist_ptr, row, shift, need, FIRST_BITS)
+    n = tl.load(hist_ptr + row * HS + BINS)
+    offs = c * BLOCK + tl.arange(0, BLOCK)
+    live = (offs < n) & runs
+    key = tl.load(rest_ptr + row * N + offs, mask=live, other=NONE)
+    _split(key, live, d, last, shift, bound_ptr + row, hist_ptr + row * HS + BINS + 257, rest2_ptr + row * N,
+           hist_ptr, 8, False)
 
 
 @triton.jit
 def _select_rest_kernel(stats_ptr, hist_ptr, rest_ptr, bound_ptr, need_ptr, N, C, TOPK,
                         BLOCK: tl.constexpr, C_POW2: tl.constexpr, FIRST_BITS: tl.constexpr, GPU: tl.constexpr):
-    """One program per row: the rounds after the first, over the candidates on its
-    boundary digit (rest[row, :n]). A round histograms their next digit; those above the
-    new boundary digit are in the Top-K (the bound falls to their smallest), those on it
-    stay, in place at the front of rest; the round whose digit ends exactly at the need-th
-    best takes that digit's keys too and is the last (keys are unique, so one comes by bit
-    0). The bound is then the need-th best key itself."""
+    """One program per row: the rounds after the second, over the candidates on its
+    boundary digit (rest[row, :n], the second round's rest2). A round histograms their next
+    digit; those above the new boundary digit are in the Top-K (the bound falls to their
+    smallest), those on it stay, in place at the front of rest; the round whose digit ends
+    exactly at the need-th best takes that digit's keys too and is the last (keys are
+    unique, so one comes by bit 0). The bound is then the need-th best key itself."""
     NONE: tl.constexpr = -9223372036854775807 - 1
     row = tl.program_id(0).to(tl.int64)
-    BINS: tl.constexpr = 1 << FIRST_BITS
     shift, need = _row_start(stats_ptr, row, C, TOPK, C_POW2, FIRST_BITS)
-    hist = tl.load(hist_ptr + row * (BINS + 1) + tl.arange(0, BINS))
-    d, above, last = _boundary(hist, need, BINS)
+    shift, _, last, runs, left, n = _second_round(hist_ptr, row, shift, need, FIRST_BITS)
     bound = tl.load(bound_ptr + row)
     src = rest_ptr + row * N
     offs = tl.arange(0, BLOCK)
-    n = tl.sum(tl.where(tl.arange(0, BINS) == d, hist, 0))
-    left = need - above  # how many of the best are still to find
-    going = (~last) & (left > 0)
+    going = runs & (~last) & (left > 0) & (shift > -8)  # a round at shift -8 would read no bit
     while going:
         shift -= 8
         counts = tl.zeros([256], tl.int32)
@@ -475,7 +520,7 @@ def _select_rest_kernel(stats_ptr, hist_ptr, rest_ptr, bound_ptr, need_ptr, N, C
         # The next round reads what other threads stored: after a barrier.
         n = tl.max(_after_barrier(kept + tl.zeros([1], tl.int32), GPU), axis=0)
         left -= above
-        going = (~last) & (left > 0) & (shift > -8)  # a round at shift -8 would read no bit
+        going = (~last) & (left > 0) & (shift > -8)
     tl.store(bound_ptr + row, bound)
     tl.store(need_ptr + row, need)
 
@@ -552,16 +597,18 @@ def order_keys(part: torch.Tensor, topk: int) -> tuple[torch.Tensor, torch.Tenso
     c_pow2 = triton.next_power_of_2(C)
     stats = torch.empty(R, C, 3, dtype=torch.int64, device=part.device)
     first_bits = WIDE_DIGIT_BITS if N >= WIDE_DIGIT_MIN_KEYS else 8
-    hist = torch.empty(R, (1 << first_bits) + 1, dtype=torch.int32, device=part.device)  # first digit's bins, rest's counter
+    # Per row: the first round's bins and rest counter, the second's bins and rest2 counter.
+    hist = torch.empty(R, (1 << first_bits) + 258, dtype=torch.int32, device=part.device)
     bound = torch.empty(R, dtype=torch.int64, device=part.device)  # the row's need-th best key
-    rest = torch.empty_like(part)
+    rest, rest2 = torch.empty_like(part), torch.empty_like(part)
     need = torch.empty(R, dtype=torch.int32, device=part.device)
     counts = torch.empty(R, C, dtype=torch.int32, device=part.device)
     _chunk_stats_kernel[(R, C)](part, stats, hist, bound, N, BLOCK=block, FIRST_BITS=first_bits, num_warps=8)
     first = dict(C_POW2=c_pow2, FIRST_BITS=first_bits, num_warps=8)
     _chunk_histogram_kernel[(R, C)](part, stats, hist, N, topk, BLOCK=block, **first)
     _chunk_split_kernel[(R, C)](part, stats, hist, bound, rest, N, topk, BLOCK=block, **first)
-    _select_rest_kernel[(R,)](stats, hist, rest, bound, need, N, C, topk, BLOCK=SELECT_REST_KEYS,
+    _chunk_split2_kernel[(R, C)](stats, hist, bound, rest, rest2, N, topk, BLOCK=block, **first)
+    _select_rest_kernel[(R,)](stats, hist, rest2, bound, need, N, C, topk, BLOCK=SELECT_REST_KEYS,
                               GPU=not isinstance(_select_rest_kernel, InterpretedFunction), **first)
     _chunk_count_kernel[(R, C)](part, bound, need, counts, N, BLOCK=block, num_warps=8)
     _chunk_write_kernel[(R, C)](part, bound, need, counts, idx, scores, N, topk, BLOCK=block, C_POW2=c_pow2,
