@@ -432,9 +432,9 @@ def _split(key, live, d, last, shift, bound_ptr, counter_ptr, rest_ptr, hist2_pt
 
 @triton.jit
 def _chunk_split_kernel(part_ptr, stats_ptr, hist_ptr, bound_ptr, rest_ptr, N, TOPK,
-                        BLOCK: tl.constexpr, C_POW2: tl.constexpr, FIRST_BITS: tl.constexpr):
-    """Program (row, chunk): the first round's split of its keys (_split), the second
-    round's histogram of those it keeps."""
+                        BLOCK: tl.constexpr, C_POW2: tl.constexpr, FIRST_BITS: tl.constexpr, SECOND: tl.constexpr):
+    """Program (row, chunk): the first round's split of its keys (_split); with SECOND, the
+    second round's histogram of those it keeps."""
     NONE: tl.constexpr = -9223372036854775807 - 1
     BINS: tl.constexpr = 1 << FIRST_BITS
     HS: tl.constexpr = (1 << FIRST_BITS) + 258  # see order_keys's hist
@@ -445,7 +445,20 @@ def _chunk_split_kernel(part_ptr, stats_ptr, hist_ptr, bound_ptr, rest_ptr, N, T
     key = tl.load(part_ptr + row * N + offs, mask=offs < N, other=NONE)
     # No key is real when need is 0: need = min(TOPK, real keys), TOPK > 0.
     _split(key, key != NONE, d, last, shift, bound_ptr + row, hist_ptr + row * HS + BINS, rest_ptr + row * N,
-           hist_ptr + row * HS + BINS + 1, FIRST_BITS, True)
+           hist_ptr + row * HS + BINS + 1, FIRST_BITS, SECOND)
+
+
+@triton.jit
+def _first_round(hist_ptr, row, shift, need, FIRST_BITS: tl.constexpr):
+    """Where the select stands after the first round, from the row's histogram: its shift,
+    whether it was the last, how many of the best are still to find, and how many
+    candidates it kept."""
+    BINS: tl.constexpr = 1 << FIRST_BITS
+    HS: tl.constexpr = (1 << FIRST_BITS) + 258  # see order_keys's hist
+    hist = tl.load(hist_ptr + row * HS + tl.arange(0, BINS))
+    d, above, last = _boundary(hist, need, BINS)
+    kept = tl.sum(tl.where(tl.arange(0, BINS) == d, hist, 0))
+    return shift, last, need - above, tl.where(last, 0, kept)
 
 
 @triton.jit
@@ -484,9 +497,11 @@ def _chunk_split2_kernel(stats_ptr, hist_ptr, bound_ptr, rest_ptr, rest2_ptr, N,
 
 @triton.jit
 def _select_rest_kernel(stats_ptr, hist_ptr, rest_ptr, bound_ptr, need_ptr, N, C, TOPK,
-                        BLOCK: tl.constexpr, C_POW2: tl.constexpr, FIRST_BITS: tl.constexpr, GPU: tl.constexpr):
-    """One program per row: the rounds after the second, over the candidates on its
-    boundary digit (rest[row, :n], the second round's rest2). A round histograms their next
+                        BLOCK: tl.constexpr, C_POW2: tl.constexpr, FIRST_BITS: tl.constexpr, GPU: tl.constexpr,
+                        SECOND: tl.constexpr):
+    """One program per row: the rounds after the first (after the second, with SECOND), over
+    the candidates on its boundary digit (rest[row, :n]: the first round's rest, or the
+    second's rest2). A round histograms their next
     digit; those above the new boundary digit are in the Top-K (the bound falls to their
     smallest), those on it stay, in place at the front of rest; the round whose digit ends
     exactly at the need-th best takes that digit's keys too and is the last (keys are
@@ -494,11 +509,15 @@ def _select_rest_kernel(stats_ptr, hist_ptr, rest_ptr, bound_ptr, need_ptr, N, C
     NONE: tl.constexpr = -9223372036854775807 - 1
     row = tl.program_id(0).to(tl.int64)
     shift, need = _row_start(stats_ptr, row, C, TOPK, C_POW2, FIRST_BITS)
-    shift, _, last, runs, left, n = _second_round(hist_ptr, row, shift, need, FIRST_BITS)
+    if SECOND:
+        shift, _, last, runs, left, n = _second_round(hist_ptr, row, shift, need, FIRST_BITS)
+        last = last | ~runs
+    else:
+        shift, last, left, n = _first_round(hist_ptr, row, shift, need, FIRST_BITS)
     bound = tl.load(bound_ptr + row)
     src = rest_ptr + row * N
     offs = tl.arange(0, BLOCK)
-    going = runs & (~last) & (left > 0) & (shift > -8)  # a round at shift -8 would read no bit
+    going = (~last) & (left > 0) & (shift > -8)  # a round at shift -8 would read no bit
     while going:
         shift -= 8
         counts = tl.zeros([256], tl.int32)
@@ -576,12 +595,15 @@ SELECT_REST_KEYS = 1024
 ORDER_CHUNK_KEYS = 2048
 
 
-def order_keys(part: torch.Tensor, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
+def order_keys(part: torch.Tensor, topk: int, second_round: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """[R, splits, width] keys in ascending position (NONE where there is none) -> the
     best topk positions [R, topk] int32 in ascending order, and their fp32 scores, -1 /
     -inf past the real keys. Six launches, no host sync (CUDA-graph capturable): chunk
     stats, the first round's histogram and split over every key, the later rounds per row,
-    the Top-K's count per chunk, its write. Replaces torch.topk over the keys, whose radix
+    the Top-K's count per chunk, its write. second_round: the second round runs in chunk
+    launches too (its histogram built by the first round's split, its split a seventh
+    launch), and the one-program rounds start at the third, over the few keys left; worth
+    it where many keys share the first round's boundary digit (run 78). Replaces torch.topk over the keys, whose radix
     select and sort took 55-130 us at any width (run 42), and ranks by score, which compared
     every selected key with every other (75 us at 64 x 128K, run 74). Keys are unique per
     position, so the set is the reference's (see _encode); order_keys_torch is the reference."""
@@ -600,16 +622,19 @@ def order_keys(part: torch.Tensor, topk: int) -> tuple[torch.Tensor, torch.Tenso
     # Per row: the first round's bins and rest counter, the second's bins and rest2 counter.
     hist = torch.empty(R, (1 << first_bits) + 258, dtype=torch.int32, device=part.device)
     bound = torch.empty(R, dtype=torch.int64, device=part.device)  # the row's need-th best key
-    rest, rest2 = torch.empty_like(part), torch.empty_like(part)
+    rest = torch.empty_like(part)
+    rest2 = torch.empty_like(part) if second_round else rest  # unused without the second round
     need = torch.empty(R, dtype=torch.int32, device=part.device)
     counts = torch.empty(R, C, dtype=torch.int32, device=part.device)
     _chunk_stats_kernel[(R, C)](part, stats, hist, bound, N, BLOCK=block, FIRST_BITS=first_bits, num_warps=8)
     first = dict(C_POW2=c_pow2, FIRST_BITS=first_bits, num_warps=8)
     _chunk_histogram_kernel[(R, C)](part, stats, hist, N, topk, BLOCK=block, **first)
-    _chunk_split_kernel[(R, C)](part, stats, hist, bound, rest, N, topk, BLOCK=block, **first)
-    _chunk_split2_kernel[(R, C)](stats, hist, bound, rest, rest2, N, topk, BLOCK=block, **first)
+    _chunk_split_kernel[(R, C)](part, stats, hist, bound, rest, N, topk, BLOCK=block, SECOND=second_round, **first)
+    if second_round:
+        _chunk_split2_kernel[(R, C)](stats, hist, bound, rest, rest2, N, topk, BLOCK=block, **first)
     _select_rest_kernel[(R,)](stats, hist, rest2, bound, need, N, C, topk, BLOCK=SELECT_REST_KEYS,
-                              GPU=not isinstance(_select_rest_kernel, InterpretedFunction), **first)
+                              GPU=not isinstance(_select_rest_kernel, InterpretedFunction), SECOND=second_round,
+                              **first)
     _chunk_count_kernel[(R, C)](part, bound, need, counts, N, BLOCK=block, num_warps=8)
     _chunk_write_kernel[(R, C)](part, bound, need, counts, idx, scores, N, topk, BLOCK=block, C_POW2=c_pow2,
                                 num_warps=8)
@@ -742,9 +767,9 @@ def indexer_topk(
         splits = triton.cdiv(history, split_len)
         part = torch.empty(R, splits, min(kp, split_len), dtype=torch.int64, device=q.device)
         cand = torch.empty(blocks * splits * block_m * 2 * kp, dtype=torch.int64, device=q.device)
-        # One program a row has no one to share with. A split no longer than KP keeps all its
-        # keys alone; sharing would cut them, but at 1 x 4K-128K (splits of 512, H100, run 78)
-        # its atomics, 8-264 programs on one row's bins, cost more than the ordering saved.
+        # One program a row has no one to share with. Where splits are no longer than KP
+        # (1 x 4K-128K, 8 x 32K: 512 positions, H100, run 78) its atomics, 8-264 programs on
+        # one row's bins, cost 4-7 us and the ordering took as long.
         shared_bits = SHARED_BAR_BITS if splits > 1 and split_len > kp else 0
         seen = torch.zeros(R, 1 << shared_bits, dtype=torch.int32, device=q.device) if shared_bits else part  # unused
         _indexer_topk_kernel[(blocks, splits)](
@@ -757,7 +782,9 @@ def indexer_topk(
             GPU=gpu, TREE=tree is not None,
             FIXED_BLOCKS=fixed, SHARED_BITS=shared_bits, num_warps=num_warps, num_stages=num_stages,
         )
-        idx, scores = order_keys(part, topk)
+        # The shared bar hands over better keys, more of them on the first round's boundary
+        # digit; the second round in chunk launches takes them (run 78: `both`).
+        idx, scores = order_keys(part, topk, second_round=bool(shared_bits))
     return (idx, scores) if return_scores else idx
 
 

@@ -178,9 +178,9 @@ def _count_handed_keys(monkeypatch) -> list[int]:
     """Appends to the returned list how many real keys each call hands the ordering."""
     handed, order_keys = [], _module.order_keys
 
-    def spy(part, topk):
+    def spy(part, topk, **options):
         handed.append(int((part != torch.iinfo(torch.int64).min).sum()))
-        return order_keys(part, topk)
+        return order_keys(part, topk, **options)
 
     monkeypatch.setattr(_module, "order_keys", spy)
     return handed
@@ -293,13 +293,15 @@ def test_merge_threshold_keeps_exactly_the_best(real):
 ])
 @pytest.mark.parametrize("scores", ["random", "ties", "one value", "negative"])
 @pytest.mark.parametrize("wide_digit", [(10, 0), (12, 0), None])
-def test_order_keys_equals_torch_topk(rows, splits, kp, topk, real, scores, wide_digit, monkeypatch):
+@pytest.mark.parametrize("second_round", [False, True])
+def test_order_keys_equals_torch_topk(rows, splits, kp, topk, real, scores, wide_digit, second_round, monkeypatch):
     """The Triton ordering (radix select of the K-th best key, then the write by position)
     against one torch.topk over the same keys: random scores; few distinct scores (the
     select runs into the position bits); every score equal (the first rounds keep
     everything); negative and huge-magnitude scores. With a wide first digit on every row
     (the rounds after it start at another bit than after 8), a 12-bit one, and the served
-    digit rule (these rows are short: 8 bits)."""
+    digit rule (these rows are short: 8 bits); the second round in one program or in chunk
+    launches."""
     if wide_digit:
         monkeypatch.setattr(_module, "WIDE_DIGIT_BITS", wide_digit[0])
         monkeypatch.setattr(_module, "WIDE_DIGIT_MIN_KEYS", wide_digit[1])
@@ -316,7 +318,7 @@ def test_order_keys_equals_torch_topk(rows, splits, kp, topk, real, scores, wide
         part[r, at] = _module.encode_keys_torch(s, pos.sort().values)
     part = part.reshape(rows, splits, kp)
     ref_idx, ref_scores = _module.order_keys_torch(part, topk)
-    idx, got = _module.order_keys(part.clone().to(DEVICE), topk)
+    idx, got = _module.order_keys(part.clone().to(DEVICE), topk, second_round)
     assert torch.equal(idx.cpu(), ref_idx)
     assert torch.equal(got.cpu(), ref_scores)
 
