@@ -468,12 +468,12 @@ def _second_round(hist_ptr, row, shift, need, FIRST_BITS: tl.constexpr):
     to find after it, and how many candidates it keeps."""
     BINS: tl.constexpr = 1 << FIRST_BITS
     HS: tl.constexpr = (1 << FIRST_BITS) + 258  # see order_keys's hist
-    d1, above1, last1 = _boundary(tl.load(hist_ptr + row * HS + tl.arange(0, BINS)), need, BINS)
-    runs = (~last1) & (need - above1 > 0)
+    shift, last1, left1, _ = _first_round(hist_ptr, row, shift, need, FIRST_BITS)
+    runs = (~last1) & (left1 > 0)
     hist2 = tl.load(hist_ptr + row * HS + BINS + 1 + tl.arange(0, 256))
-    d, above, last = _boundary(hist2, need - above1)
+    d, above, last = _boundary(hist2, left1)
     kept = tl.sum(tl.where(tl.arange(0, 256) == d, hist2, 0))
-    return shift - 8, d, last, runs, need - above1 - above, tl.where(last, 0, kept)
+    return shift - 8, d, last, runs, left1 - above, tl.where(last, 0, kept)
 
 
 @triton.jit
@@ -501,11 +501,11 @@ def _select_rest_kernel(stats_ptr, hist_ptr, rest_ptr, bound_ptr, need_ptr, N, C
                         SECOND: tl.constexpr):
     """One program per row: the rounds after the first (after the second, with SECOND), over
     the candidates on its boundary digit (rest[row, :n]: the first round's rest, or the
-    second's rest2). A round histograms their next
-    digit; those above the new boundary digit are in the Top-K (the bound falls to their
-    smallest), those on it stay, in place at the front of rest; the round whose digit ends
-    exactly at the need-th best takes that digit's keys too and is the last (keys are
-    unique, so one comes by bit 0). The bound is then the need-th best key itself."""
+    second's rest2). A round histograms their next digit; those above the new boundary
+    digit are in the Top-K (the bound falls to their smallest), those on it stay, in place
+    at the front of rest; the round whose digit ends exactly at the need-th best takes that
+    digit's keys too and is the last (keys are unique, so one comes by bit 0). The bound is
+    then the need-th best key itself."""
     NONE: tl.constexpr = -9223372036854775807 - 1
     row = tl.program_id(0).to(tl.int64)
     shift, need = _row_start(stats_ptr, row, C, TOPK, C_POW2, FIRST_BITS)
@@ -603,9 +603,10 @@ def order_keys(part: torch.Tensor, topk: int, second_round: bool = False) -> tup
     the Top-K's count per chunk, its write. second_round: the second round runs in chunk
     launches too (its histogram built by the first round's split, its split a seventh
     launch), and the one-program rounds start at the third, over the few keys left; worth
-    it where many keys share the first round's boundary digit (run 78). Replaces torch.topk over the keys, whose radix
-    select and sort took 55-130 us at any width (run 42), and ranks by score, which compared
-    every selected key with every other (75 us at 64 x 128K, run 74). Keys are unique per
+    it where many keys share the first round's boundary digit (run 78). Replaces torch.topk
+    over the keys, whose radix select and sort took 55-130 us at any width (run 42), and
+    ranks by score, which compared every selected key with every other (75 us at 64 x 128K,
+    run 74). Keys are unique per
     position, so the set is the reference's (see _encode); order_keys_torch is the reference."""
     R = part.shape[0]
     part = part.reshape(R, -1).contiguous()
@@ -701,8 +702,8 @@ def indexer_topk(
     programs: about how many programs to run (default: 2 per SM). When there are fewer row
     blocks, the history is split across programs (split-K, as in flash-decoding) and the
     splits' Top-Ks are merged by the ordering that orders them anyway (order_keys): a few
-    KP-wide rows per query row, never a score per position. num_warps: per program. num_stages: Triton's software
-    pipelining depth for the tile loads (loading the next tile by hand into registers
+    KP-wide rows per query row, never a score per position. num_warps: per program.
+    num_stages: Triton's software pipelining depth for the tile loads (loading the next tile by hand into registers
     instead measured no faster, run 18); the page-table lookup takes one stage of it, and
     below 5 no tile loads while another computes (tests/compile_for_sm90.py reports it as
     loop_copy_wait). Deeper, with one or two tiles loading meanwhile, measured no faster
