@@ -97,7 +97,7 @@ def _load_queries(q_ptr, qs_ptr, rows, live, H, stride_qr, stride_qh, stride_qsr
     qmask = live[:, None, None] & (offs_h[None, :, None] < H)
     q = tl.load(q_ptr + rows[:, None, None] * stride_qr + offs_h[None, :, None] * stride_qh + offs_d[None, None, :],
                 mask=qmask, other=0.0)
-    if GROUP:
+    if GROUP and GROUP < D:  # one scale a whole head (GROUP == D) is folded into the weights instead
         qs = tl.load(qs_ptr + rows[:, None, None] * stride_qsr + offs_h[None, :, None] * stride_qsh
                      + (offs_d // GROUP)[None, None, :], mask=qmask, other=127)
         q = q.to(tl.float32) * _e8m0(qs)
@@ -116,13 +116,15 @@ def _tile_keys(s0, n, n_max, req, q, w, table_ptr, k_ptr, ks_ptr, stride_table, 
     seen = pos < n_max
     slot = tl.load(table_ptr + req * stride_table + pos, mask=seen, other=0).to(tl.int64)
     k = tl.load(k_ptr + slot[:, None] * stride_k + offs_d[None, :], mask=seen[:, None], other=0.0)
-    if GROUP:  # one scale byte per group, broadcast over it in registers (not loaded per element)
+    if GROUP and GROUP < D:  # one scale byte per group, broadcast over it in registers (not loaded per element)
         offs_g = tl.arange(0, D // GROUP)
         ks = tl.load(ks_ptr + slot[:, None] * stride_ks + offs_g[None, :], mask=seen[:, None], other=127)
         k = tl.reshape(tl.reshape(k.to(tl.float32), [BLOCK_S, D // GROUP, GROUP]) * _e8m0(ks)[:, :, None],
                        [BLOCK_S, D])
     logits = tl.reshape(tl.dot(k.to(DOT_DTYPE), tl.trans(q)), [BLOCK_S, BLOCK_M, BLOCK_H])  # fp32
     score = tl.trans(tl.sum(tl.maximum(logits, 0.0) * w[None, :, :], axis=2))  # [BLOCK_M, BLOCK_S]
+    if GROUP == D:  # one scale a key: relu(2^e x) = 2^e relu(x), so it scales the key's score
+        score = score * _e8m0(tl.load(ks_ptr + slot * stride_ks, mask=seen, other=127))[None, :]
     visible = pos[None, :] < n[:, None]
     if TREE:
         rel = pos[None, :] - tail0[:, None] - tail_skip[:, None]
@@ -253,6 +255,9 @@ def _indexer_topk_kernel(
                       DOT_DTYPE)
     w = tl.load(w_ptr + rows[:, None] * stride_wr + offs_h[None, :], mask=live[:, None] & (offs_h[None, :] < H),
                 other=0.0).to(tl.float32)  # [BLOCK_M, BLOCK_H]
+    if GROUP == D:  # one scale a query head: into its weight (relu(2^e x) = 2^e relu(x))
+        w = w * _e8m0(tl.load(qs_ptr + rows[:, None] * stride_qsr + offs_h[None, :] * stride_qsh,
+                              mask=live[:, None] & (offs_h[None, :] < H), other=127))
 
     NONE: tl.constexpr = -9223372036854775807 - 1
     offs_2k = tl.arange(0, 2 * KP)
@@ -738,9 +743,11 @@ def indexer_topk(
     else:
         q_scale = k_scale = q  # unused placeholders
     # Dequantized MXFP8 values are exact in bf16; the interpreter cannot run bf16, fp32 is exact too.
+    # One scale a vector (group = D) leaves the data as stored: the GPU's dot takes e4m3 itself.
     # (Compiled, not interpreted, as on a GPU: tests/compile_for_sm90.py compiles what runs there.)
     gpu = not isinstance(_indexer_topk_kernel, InterpretedFunction)
-    dot_dtype = (tl.bfloat16 if gpu else tl.float32) if group else _TL_DTYPES[q.dtype]
+    dot_dtype = _TL_DTYPES.get(q.dtype) if not group else (
+        (tl.float8e4nv if group == D else tl.bfloat16) if gpu else tl.float32)
     kp = max(triton.next_power_of_2(topk), 16)
     if kp > 16384:  # a merge counts its 2 KP keys in 16-bit fields
         raise ValueError(f"topk must be at most 16384, got {topk}")

@@ -86,6 +86,11 @@ def cases():
             out.append((f"indexer_topk[{kind},mxfp8{bar}]",
                         lambda b=block_m, kkd=kkd, kks=kks, tab=tab, lens=lens, p=programs: indexer_topk.indexer_topk(
                             qd, w, kkd, tab, row_req, lens, 2048, block_m=b, q_scale=qs, k_scale=kks, programs=p)))
+    # One scale a vector (MXFP8 at group = D): the dot takes e4m3 as stored.
+    (qt, qts), (kt, kts) = mxfp8.quantize_mxfp8_torch(q.float(), 128), mxfp8.quantize_mxfp8_torch(k.float(), 128)
+    for block_m, kind in ((1, "decode"), (_EXTEND_ROW_BLOCK, "extend")):
+        out.append((f"indexer_topk[{kind},fp8 a scale a vector]", lambda b=block_m: indexer_topk.indexer_topk(
+            qt, w, kt, table, row_req, row_len, 2048, block_m=b, q_scale=qts, k_scale=kts, programs=264)))
     # A row of 32K keys or more (one long decode row's splits) starts its select with the wide digit.
     keys = indexer_topk.encode_keys_torch(torch.randn(1, indexer_topk.WIDE_DIGIT_MIN_KEYS, generator=g),
                                           torch.arange(indexer_topk.WIDE_DIGIT_MIN_KEYS).view(1, -1))
