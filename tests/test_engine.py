@@ -34,11 +34,13 @@ def type_of(key):
 QUANTIZED_TOLERANCE = Tolerance(logprob=0.05, margin=0.05)
 
 
-@pytest.mark.parametrize("index_cache_dtype, kv_cache_dtype", [("auto", "auto"), ("mxfp8", "fp8_e4m3")])
-def test_engine_generate_matches_golden(checkpoint, tolerance, index_cache_dtype, kv_cache_dtype):
+@pytest.mark.parametrize("index_cache_dtype, kv_cache_dtype, one_scale_a_vector",
+                         [("auto", "auto", False), ("mxfp8", "fp8_e4m3", False), ("mxfp8", "fp8_e4m3", True)])
+def test_engine_generate_matches_golden(checkpoint, tolerance, index_cache_dtype, kv_cache_dtype, one_scale_a_vector):
     """The unquantized tiers (the presets') and both quantized ones (MXFP8 index cache through
-    SGLang's --json-model-override-args, per-tile FP8 latent through --kv-cache-dtype)
-    against a golden model set up the same way."""
+    SGLang's --json-model-override-args, at the preset's group and at one scale a vector, whose
+    GPU dot takes e4m3 as stored; per-tile FP8 latent through --kv-cache-dtype) against a
+    golden model set up the same way."""
     import json
 
     import sglang
@@ -46,11 +48,15 @@ def test_engine_generate_matches_golden(checkpoint, tolerance, index_cache_dtype
     from sglang_hybrid.reference import load
 
     golden = load(checkpoint, device="cuda" if gpu_available() else "cpu")
-    golden.config.index_cache_dtype = index_cache_dtype
+    overrides = {"index_cache_dtype": index_cache_dtype}
+    if one_scale_a_vector:
+        overrides["index_quant_group_size"] = golden.config.index_head_dim
+    for key, value in overrides.items():
+        setattr(golden.config, key, value)
     golden.kv_cache_dtype = kv_cache_dtype
     prompts = [[5, 6, 7, 8], list(range(100, 160))]
     engine = sglang.Engine(model_path=checkpoint, **_engine_kwargs(), kv_cache_dtype=kv_cache_dtype,
-                           json_model_override_args=json.dumps({"index_cache_dtype": index_cache_dtype}))
+                           json_model_override_args=json.dumps(overrides))
     try:
         outs = engine.generate(input_ids=prompts,
                                sampling_params={"max_new_tokens": 64, "temperature": 0, "ignore_eos": True})
