@@ -89,8 +89,8 @@ def _e8m0(byte):
 def _load_queries(q_ptr, qs_ptr, rows, live, H, stride_qr, stride_qh, stride_qsr, stride_qsh,
                   D: tl.constexpr, BLOCK_H: tl.constexpr, GROUP: tl.constexpr, DOT_DTYPE: tl.constexpr):
     """The query heads of rows [BLOCK_M] (zero where not live or past H) as the dot's
-    [BLOCK_M x BLOCK_H, D] operand. MXFP8 is dequantized on load: e4m3 x 2^e is exact in
-    bf16, so the dot stays exact."""
+    [BLOCK_M x BLOCK_H, D] operand. MXFP8 groups smaller than a head are dequantized on
+    load: e4m3 x 2^e is exact in bf16, so the dot stays exact."""
     BLOCK_M: tl.constexpr = rows.shape[0]
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, D)
@@ -743,11 +743,12 @@ def indexer_topk(
     else:
         q_scale = k_scale = q  # unused placeholders
     # Dequantized MXFP8 values are exact in bf16; the interpreter cannot run bf16, fp32 is exact too.
-    # One scale a vector (group = D) leaves the data as stored: the GPU's dot takes e4m3 itself.
-    # (Compiled, not interpreted, as on a GPU: tests/compile_for_sm90.py compiles what runs there.)
+    # One scale a vector (group = D) leaves the data as stored: the GPU's dot takes e4m3 itself
+    # where D reaches the e4m3 MMA's K of 32. (Compiled, not interpreted, as on a GPU:
+    # tests/compile_for_sm90.py compiles what runs there.)
     gpu = not isinstance(_indexer_topk_kernel, InterpretedFunction)
     dot_dtype = _TL_DTYPES.get(q.dtype) if not group else (
-        (tl.float8e4nv if group == D else tl.bfloat16) if gpu else tl.float32)
+        (tl.float8e4nv if group == D >= 32 else tl.bfloat16) if gpu else tl.float32)
     kp = max(triton.next_power_of_2(topk), 16)
     if kp > 16384:  # a merge counts its 2 KP keys in 16-bit fields
         raise ValueError(f"topk must be at most 16384, got {topk}")

@@ -91,6 +91,10 @@ def cases():
     for block_m, kind in ((1, "decode"), (_EXTEND_ROW_BLOCK, "extend")):
         out.append((f"indexer_topk[{kind},fp8 a scale a vector]", lambda b=block_m: indexer_topk.indexer_topk(
             qt, w, kt, table, row_req, row_len, 2048, block_m=b, q_scale=qts, k_scale=kts, programs=264)))
+    # A head narrower than the e4m3 MMA's K of 32 (the tests' 16) takes the dot in bf16 instead.
+    (qn, qns), (kn, kns) = (mxfp8.quantize_mxfp8_torch(x[..., :16].float(), 16) for x in (q, k))
+    out.append(("indexer_topk[decode,fp8 a scale a vector,head dim 16]", lambda: indexer_topk.indexer_topk(
+        qn, w, kn, table, row_req, row_len, 2048, q_scale=qns, k_scale=kns, programs=264)))
     # A row of 32K keys or more (one long decode row's splits) starts its select with the wide digit.
     keys = indexer_topk.encode_keys_torch(torch.randn(1, indexer_topk.WIDE_DIGIT_MIN_KEYS, generator=g),
                                           torch.arange(indexer_topk.WIDE_DIGIT_MIN_KEYS).view(1, -1))
