@@ -93,8 +93,10 @@ def test_four_cp_ranks_with_mixed_chunks_equal_golden(checkpoint, tmp_path, chec
         lengths = [2, 40, 130, 200]
 
         def staggered(i):
-            time.sleep(0.5 * i)  # later prompts join running decodes
-            return _generate(srv.url, prompts[i], 16)[0]
+            # Later prompts join running decodes: the first decodes long enough (96 tokens,
+            # seconds on any host) that the others' chunks meet it however fast it runs.
+            time.sleep(0.5 * i)
+            return _generate(srv.url, prompts[i], 96 if i == 0 else 16)[0]
 
         prompts = [_tokens(rng, n) for n in lengths]
         with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
