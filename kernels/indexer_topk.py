@@ -366,6 +366,11 @@ def _row_start(stats_ptr, row, C, TOPK, C_POW2: tl.constexpr, FIRST_BITS: tl.con
     return (top + 1 - FIRST_BITS).to(tl.int64), tl.minimum(real, TOPK).to(tl.int32)
 
 
+# A row of order_keys's hist holds the first round's bins, then HIST_TAIL more: the first
+# round's rest counter, the second round's 256 bins and its rest2 counter.
+HIST_TAIL: tl.constexpr = tl.constexpr(1 + 256 + 1)
+
+
 @triton.jit
 def _boundary(hist, rest, BINS: tl.constexpr = 256):
     """The digit d that holds the rest-th best of the candidates histogrammed in hist [BINS],
@@ -384,12 +389,12 @@ def _chunk_stats_kernel(part_ptr, stats_ptr, hist_ptr, bound_ptr, N, BLOCK: tl.c
     the row's histograms and counters and sets its bound to the largest key (one launch
     fewer than a fill)."""
     NONE: tl.constexpr = -9223372036854775807 - 1
-    HS: tl.constexpr = (1 << FIRST_BITS) + 258  # see order_keys's hist
+    HS: tl.constexpr = (1 << FIRST_BITS) + HIST_TAIL
     row, c = tl.program_id(0).to(tl.int64), tl.program_id(1)
     if c == 0:
         bins, rest = tl.arange(0, 1 << FIRST_BITS), tl.arange(0, 512)
         tl.store(hist_ptr + row * HS + bins, tl.zeros_like(bins))
-        tl.store(hist_ptr + row * HS + (1 << FIRST_BITS) + rest, tl.zeros_like(rest), mask=rest < 258)
+        tl.store(hist_ptr + row * HS + (1 << FIRST_BITS) + rest, tl.zeros_like(rest), mask=rest < HIST_TAIL)
         tl.store(bound_ptr + row, 9223372036854775807)
     offs = c * BLOCK + tl.arange(0, BLOCK)
     key = tl.load(part_ptr + row * N + offs, mask=offs < N, other=NONE)
@@ -406,7 +411,7 @@ def _chunk_histogram_kernel(part_ptr, stats_ptr, hist_ptr, N, TOPK, BLOCK: tl.co
     """Program (row, chunk): the first round's digit histogram of its real keys, added to the row's."""
     NONE: tl.constexpr = -9223372036854775807 - 1
     BINS: tl.constexpr = 1 << FIRST_BITS
-    HS: tl.constexpr = (1 << FIRST_BITS) + 258  # see order_keys's hist
+    HS: tl.constexpr = (1 << FIRST_BITS) + HIST_TAIL
     row, c = tl.program_id(0).to(tl.int64), tl.program_id(1)
     shift, _ = _row_start(stats_ptr, row, tl.num_programs(1), TOPK, C_POW2, FIRST_BITS)
     offs = c * BLOCK + tl.arange(0, BLOCK)
@@ -442,7 +447,7 @@ def _chunk_split_kernel(part_ptr, stats_ptr, hist_ptr, bound_ptr, rest_ptr, N, T
     second round's histogram of those it keeps."""
     NONE: tl.constexpr = -9223372036854775807 - 1
     BINS: tl.constexpr = 1 << FIRST_BITS
-    HS: tl.constexpr = (1 << FIRST_BITS) + 258  # see order_keys's hist
+    HS: tl.constexpr = (1 << FIRST_BITS) + HIST_TAIL
     row, c = tl.program_id(0).to(tl.int64), tl.program_id(1)
     shift, need = _row_start(stats_ptr, row, tl.num_programs(1), TOPK, C_POW2, FIRST_BITS)
     d, above, last = _boundary(tl.load(hist_ptr + row * HS + tl.arange(0, BINS)), need, BINS)
@@ -459,7 +464,7 @@ def _first_round(hist_ptr, row, shift, need, FIRST_BITS: tl.constexpr):
     whether it was the last, how many of the best are still to find, and how many
     candidates it kept."""
     BINS: tl.constexpr = 1 << FIRST_BITS
-    HS: tl.constexpr = (1 << FIRST_BITS) + 258  # see order_keys's hist
+    HS: tl.constexpr = (1 << FIRST_BITS) + HIST_TAIL
     hist = tl.load(hist_ptr + row * HS + tl.arange(0, BINS))
     d, above, last = _boundary(hist, need, BINS)
     kept = tl.sum(tl.where(tl.arange(0, BINS) == d, hist, 0))
@@ -472,7 +477,7 @@ def _second_round(hist_ptr, row, shift, need, FIRST_BITS: tl.constexpr):
     digit, whether it is the last, whether it runs at all, how many of the best are still
     to find after it, and how many candidates it keeps."""
     BINS: tl.constexpr = 1 << FIRST_BITS
-    HS: tl.constexpr = (1 << FIRST_BITS) + 258  # see order_keys's hist
+    HS: tl.constexpr = (1 << FIRST_BITS) + HIST_TAIL
     shift, last1, left1, _ = _first_round(hist_ptr, row, shift, need, FIRST_BITS)
     runs = (~last1) & (left1 > 0)
     hist2 = tl.load(hist_ptr + row * HS + BINS + 1 + tl.arange(0, 256))
@@ -488,7 +493,7 @@ def _chunk_split2_kernel(stats_ptr, hist_ptr, bound_ptr, rest_ptr, rest2_ptr, N,
     (rest[row, :n]), in chunks as the first round's; its candidates go to rest2."""
     NONE: tl.constexpr = -9223372036854775807 - 1
     BINS: tl.constexpr = 1 << FIRST_BITS
-    HS: tl.constexpr = (1 << FIRST_BITS) + 258  # see order_keys's hist
+    HS: tl.constexpr = (1 << FIRST_BITS) + HIST_TAIL
     row, c = tl.program_id(0).to(tl.int64), tl.program_id(1)
     shift, need = _row_start(stats_ptr, row, tl.num_programs(1), TOPK, C_POW2, FIRST_BITS)
     shift, d, last, runs, _, _ = _second_round(hist_ptr, row, shift, need, FIRST_BITS)
@@ -496,7 +501,7 @@ def _chunk_split2_kernel(stats_ptr, hist_ptr, bound_ptr, rest_ptr, rest2_ptr, N,
     offs = c * BLOCK + tl.arange(0, BLOCK)
     live = (offs < n) & runs
     key = tl.load(rest_ptr + row * N + offs, mask=live, other=NONE)
-    _split(key, live, d, last, shift, bound_ptr + row, hist_ptr + row * HS + BINS + 257, rest2_ptr + row * N,
+    _split(key, live, d, last, shift, bound_ptr + row, hist_ptr + row * HS + BINS + HIST_TAIL - 1, rest2_ptr + row * N,
            hist_ptr, 8, False)
 
 
@@ -611,8 +616,8 @@ def order_keys(part: torch.Tensor, topk: int, second_round: bool = False) -> tup
     it where many keys share the first round's boundary digit (run 78). Replaces torch.topk
     over the keys, whose radix select and sort took 55-130 us at any width (run 42), and
     ranks by score, which compared every selected key with every other (75 us at 64 x 128K,
-    run 74). Keys are unique per
-    position, so the set is the reference's (see _encode); order_keys_torch is the reference."""
+    run 74). Keys are unique per position, so the set is the reference's (see _encode);
+    order_keys_torch is the reference."""
     R = part.shape[0]
     part = part.reshape(R, -1).contiguous()
     N = part.shape[1]
@@ -625,8 +630,7 @@ def order_keys(part: torch.Tensor, topk: int, second_round: bool = False) -> tup
     c_pow2 = triton.next_power_of_2(C)
     stats = torch.empty(R, C, 3, dtype=torch.int64, device=part.device)
     first_bits = WIDE_DIGIT_BITS if N >= WIDE_DIGIT_MIN_KEYS else 8
-    # Per row: the first round's bins and rest counter, the second's bins and rest2 counter.
-    hist = torch.empty(R, (1 << first_bits) + 258, dtype=torch.int32, device=part.device)
+    hist = torch.empty(R, (1 << first_bits) + HIST_TAIL.value, dtype=torch.int32, device=part.device)
     bound = torch.empty(R, dtype=torch.int64, device=part.device)  # the row's need-th best key
     rest = torch.empty_like(part)
     rest2 = torch.empty_like(part) if second_round else rest  # unused without the second round

@@ -330,7 +330,7 @@ def test_chunk_stats_zero_the_histogram_whatever_it_held(first_bits):
     zeroes the first two and sets the bound to the largest key (chunk 0 of each row)."""
     R, N, block = 2, 4096, 2048
     part = _module.encode_keys_torch(torch.randn(R, N), torch.arange(N).repeat(R, 1)).to(DEVICE)
-    hist = torch.full((R, (1 << first_bits) + 258), 7, dtype=torch.int32, device=DEVICE)
+    hist = torch.full((R, (1 << first_bits) + _module.HIST_TAIL.value), 7, dtype=torch.int32, device=DEVICE)
     bound = torch.full((R,), 7, dtype=torch.int64, device=DEVICE)
     stats = torch.empty(R, N // block, 3, dtype=torch.int64, device=DEVICE)
     _module._chunk_stats_kernel[(R, N // block)](part, stats, hist, bound, N, BLOCK=block, FIRST_BITS=first_bits)
