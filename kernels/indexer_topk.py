@@ -677,6 +677,13 @@ def order_keys_torch(part: torch.Tensor, topk: int) -> tuple[torch.Tensor, torch
     return by_position(pos, torch.where(found, bits.view(torch.float32), float("-inf")))
 
 
+def takes_e4m3(group: int, head_dim: int) -> bool:
+    """Whether the GPU's dot takes MXFP8 data as stored (e4m3, accumulating in fewer bits than
+    fp32): with one scale a vector, which folds into the head weight and the score, and a head
+    dim that reaches the e4m3 MMA's K of 32. Other groups are dequantized to bf16 on load."""
+    return group == head_dim >= 32
+
+
 def indexer_topk(
     q: torch.Tensor,
     weights: torch.Tensor,
@@ -747,12 +754,10 @@ def indexer_topk(
     else:
         q_scale = k_scale = q  # unused placeholders
     # Dequantized MXFP8 values are exact in bf16; the interpreter cannot run bf16, fp32 is exact too.
-    # One scale a vector (group = D) leaves the data as stored: the GPU's dot takes e4m3 itself
-    # where D reaches the e4m3 MMA's K of 32. (Compiled, not interpreted, as on a GPU:
-    # tests/compile_for_sm90.py compiles what runs there.)
+    # (Compiled, not interpreted, as on a GPU: tests/compile_for_sm90.py compiles what runs there.)
     gpu = not isinstance(_indexer_topk_kernel, InterpretedFunction)
     dot_dtype = _TL_DTYPES.get(q.dtype) if not group else (
-        (tl.float8e4nv if group == D >= 32 else tl.bfloat16) if gpu else tl.float32)
+        (tl.float8e4nv if takes_e4m3(group, D) else tl.bfloat16) if gpu else tl.float32)
     kp = max(triton.next_power_of_2(topk), 16)
     if kp > 16384:  # a merge counts its 2 KP keys in 16-bit fields
         raise ValueError(f"topk must be at most 16384, got {topk}")

@@ -387,7 +387,7 @@ def _fp8_mma_error_bound(args, scales, group):
     fewer bits than fp32: each logit to about 2^-13 of the sum of its terms' magnitudes. The
     largest score's bound, sum_h |w_h| sum_d |q_hd k_d|, over the case. Elsewhere fp32's."""
     q, w, k, *_ = args
-    if DEVICE != "cuda" or not group == q.shape[-1] >= 32:  # the e4m3 MMA's K is 32
+    if DEVICE != "cuda" or not _module.takes_e4m3(group, q.shape[-1]):
         return 1e-5
     magnitude = torch.einsum("rhd,sd->rhs", dequantize_mxfp8(q, scales["q_scale"], group).abs(),
                              dequantize_mxfp8(k, scales["k_scale"], group).abs())
