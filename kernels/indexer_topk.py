@@ -393,6 +393,7 @@ def _chunk_stats_kernel(part_ptr, stats_ptr, hist_ptr, bound_ptr, N, BLOCK: tl.c
     row, c = tl.program_id(0).to(tl.int64), tl.program_id(1)
     if c == 0:
         bins, rest = tl.arange(0, 1 << FIRST_BITS), tl.arange(0, 512)
+        tl.static_assert(HIST_TAIL <= 512, "the tail's zeroing covers 512 entries")
         tl.store(hist_ptr + row * HS + bins, tl.zeros_like(bins))
         tl.store(hist_ptr + row * HS + (1 << FIRST_BITS) + rest, tl.zeros_like(rest), mask=rest < HIST_TAIL)
         tl.store(bound_ptr + row, 9223372036854775807)
