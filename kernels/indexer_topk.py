@@ -26,7 +26,8 @@ KP-th best (the bar: a key below it can never enter, the set only improves) and 
 them to the buffer. Where a row's history is split into parts longer than KP, its programs
 also count the keys they keep in a histogram of the row's (by the keys' top bits) and raise
 their bar to a key that KP of the row's keys already beat (_shared_bar): a split need not
-see KP positions of its own first. When the buffer might not take the next tile, the
+see KP positions of its own first. The ordering stage takes the bar the finished histogram
+gives for K, so a short split's Top-KP, most of which falls below it, is not ordered. When the buffer might not take the next tile, the
 running set and the candidates are merged: a threshold that exactly KP of them reach is found two bits
 a pass from the top (one block-wide count per pass, stopping once the KP-th best is
 separated from the next; no sort) and the keys that reach it kept, in the order they came. Over n
@@ -204,7 +205,7 @@ def _merge_candidates(buf, dst, held, count, offs_2k, width, NONE: tl.constexpr,
 
 
 @triton.jit
-def _shared_bar(seen_ptr, rows, live, KP: tl.constexpr, BITS: tl.constexpr):
+def _shared_bar(seen_ptr, rows, live, KP, BITS: tl.constexpr):
     """Per row of the block, a key that at least KP of the row's keys beat, from the counts the
     row's programs have added so far to seen [rows, 2^BITS] (keys by their top BITS bits): one
     below the smallest key of the highest bin with KP counted at or above it (NONE while there
@@ -384,10 +385,12 @@ def _boundary(hist, rest, BINS: tl.constexpr = 256):
 
 
 @triton.jit
-def _chunk_stats_kernel(part_ptr, stats_ptr, hist_ptr, bound_ptr, N, BLOCK: tl.constexpr, FIRST_BITS: tl.constexpr):
+def _chunk_stats_kernel(part_ptr, stats_ptr, hist_ptr, bound_ptr, seen_ptr, N, TOPK, BLOCK: tl.constexpr,
+                        FIRST_BITS: tl.constexpr, SEEN_BITS: tl.constexpr):
     """Program (row, chunk): its real keys' maximum, minimum and count; chunk 0 also zeroes
     the row's histograms and counters and sets its bound to the largest key (one launch
-    fewer than a fill)."""
+    fewer than a fill). With SEEN_BITS, first the keys below the bar the row's counts in
+    seen give (_shared_bar at TOPK) become NONE in part: the later rounds never see them."""
     NONE: tl.constexpr = -9223372036854775807 - 1
     HS: tl.constexpr = (1 << FIRST_BITS) + HIST_TAIL
     row, c = tl.program_id(0).to(tl.int64), tl.program_id(1)
@@ -399,6 +402,12 @@ def _chunk_stats_kernel(part_ptr, stats_ptr, hist_ptr, bound_ptr, N, BLOCK: tl.c
         tl.store(bound_ptr + row, 9223372036854775807)
     offs = c * BLOCK + tl.arange(0, BLOCK)
     key = tl.load(part_ptr + row * N + offs, mask=offs < N, other=NONE)
+    if SEEN_BITS:
+        one = tl.full([1], 1, tl.int1)
+        bar = tl.max(_shared_bar(seen_ptr, row + tl.zeros([1], tl.int64), one, TOPK, SEEN_BITS), axis=0)
+        below = (key != NONE) & (key <= bar)
+        key = tl.where(below, NONE, key)
+        tl.store(part_ptr + row * N + offs, key, mask=below)
     real = key != NONE
     at = stats_ptr + (row * tl.num_programs(1) + c) * 3
     tl.store(at, tl.max(key))
@@ -606,7 +615,8 @@ SELECT_REST_KEYS = 1024
 ORDER_CHUNK_KEYS = 2048
 
 
-def order_keys(part: torch.Tensor, topk: int, second_round: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def order_keys(part: torch.Tensor, topk: int, second_round: bool = False,
+               seen: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """[R, splits, width] keys in ascending position (NONE where there is none) -> the
     best topk positions [R, topk] int32 in ascending order, and their fp32 scores, -1 /
     -inf past the real keys. Six launches, no host sync (CUDA-graph capturable): chunk
@@ -618,7 +628,12 @@ def order_keys(part: torch.Tensor, topk: int, second_round: bool = False) -> tup
     over the keys, whose radix select and sort took 55-130 us at any width (run 42), and
     ranks by score, which compared every selected key with every other (75 us at 64 x 128K,
     run 74). Keys are unique per position, so the set is the reference's (see _encode);
-    order_keys_torch is the reference."""
+    order_keys_torch is the reference.
+
+    seen [R, 2^bits] int32: counts of keys of each row by their top bits, every count a key
+    that exists (the scoring kernel's shared-bar histogram). The first launch then turns the
+    keys below the bar they give to NONE in part (in place): a split's Top-KP mostly falls
+    below the Top-K of a row split many ways, and the rounds read only what is left."""
     R = part.shape[0]
     part = part.reshape(R, -1).contiguous()
     N = part.shape[1]
@@ -637,7 +652,9 @@ def order_keys(part: torch.Tensor, topk: int, second_round: bool = False) -> tup
     rest2 = torch.empty_like(part) if second_round else rest  # unused without the second round
     need = torch.empty(R, dtype=torch.int32, device=part.device)
     counts = torch.empty(R, C, dtype=torch.int32, device=part.device)
-    _chunk_stats_kernel[(R, C)](part, stats, hist, bound, N, BLOCK=block, FIRST_BITS=first_bits, num_warps=8)
+    seen_bits = 0 if seen is None else seen.shape[1].bit_length() - 1
+    _chunk_stats_kernel[(R, C)](part, stats, hist, bound, part if seen is None else seen, N, topk, BLOCK=block,
+                                FIRST_BITS=first_bits, SEEN_BITS=seen_bits, num_warps=8)
     first = dict(C_POW2=c_pow2, FIRST_BITS=first_bits, num_warps=8)
     _chunk_histogram_kernel[(R, C)](part, stats, hist, N, topk, BLOCK=block, **first)
     _chunk_split_kernel[(R, C)](part, stats, hist, bound, rest, N, topk, BLOCK=block, SECOND=second_round, **first)
@@ -803,7 +820,7 @@ def indexer_topk(
         )
         # The shared bar hands over better keys, more of them on the first round's boundary
         # digit; the second round in chunk launches takes them (run 78: `both`).
-        idx, scores = order_keys(part, topk, second_round=bool(shared_bits))
+        idx, scores = order_keys(part, topk, second_round=bool(shared_bits), seen=seen if shared_bits else None)
     return (idx, scores) if return_scores else idx
 
 

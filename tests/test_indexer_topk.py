@@ -176,12 +176,14 @@ def test_positions_come_back_ascending_with_the_padding_last():
 
 
 def _count_handed_keys(monkeypatch) -> list[int]:
-    """Appends to the returned list how many real keys each call hands the ordering."""
+    """Appends to the returned list how many real keys each call hands the ordering's rounds:
+    those left in part after its first launch, which drops the keys below the row's bar."""
     handed, order_keys = [], _module.order_keys
 
     def spy(part, topk, **options):
+        ordered = order_keys(part, topk, **options)
         handed.append(int((part != torch.iinfo(torch.int64).min).sum()))
-        return order_keys(part, topk, **options)
+        return ordered
 
     monkeypatch.setattr(_module, "order_keys", spy)
     return handed
@@ -192,8 +194,9 @@ def test_a_rows_programs_share_a_bar_and_stay_exact(monkeypatch, order):
     """The programs splitting one row's history count the keys they keep in the row's
     histogram and raise their bar to what it proves (_shared_bar): the selection stays the
     reference's whether the best keys come first, last, anywhere, or all tie (the shared bar
-    then admits the whole tied bin), and on random scores the programs hand the ordering
-    fewer keys than with every program on its own."""
+    then admits the whole tied bin), and on random scores the ordering's rounds see about K
+    keys: those of the splits' Top-KPs that reach the bar the row's finished histogram gives
+    for K (37 of the 8 x 32; 201 when the bar was only shared in the scoring loop)."""
     L, K = 1024, 32
     g = torch.Generator().manual_seed(7)
     score = {"random": torch.randn(L, generator=g), "rising": torch.arange(L) / L + 1,
@@ -213,7 +216,7 @@ def test_a_rows_programs_share_a_bar_and_stay_exact(monkeypatch, order):
     alone, shared = handed
     assert alone == 8 * K  # 8 splits, each its own Top-KP
     if order == "random":
-        assert shared < alone
+        assert shared < 2 * K
 
 
 @pytest.mark.parametrize("programs", [1, 4, 64])
@@ -333,7 +336,8 @@ def test_chunk_stats_zero_the_histogram_whatever_it_held(first_bits):
     hist = torch.full((R, (1 << first_bits) + _module.HIST_TAIL.value), 7, dtype=torch.int32, device=DEVICE)
     bound = torch.full((R,), 7, dtype=torch.int64, device=DEVICE)
     stats = torch.empty(R, N // block, 3, dtype=torch.int64, device=DEVICE)
-    _module._chunk_stats_kernel[(R, N // block)](part, stats, hist, bound, N, BLOCK=block, FIRST_BITS=first_bits)
+    _module._chunk_stats_kernel[(R, N // block)](part, stats, hist, bound, part, N, 1, BLOCK=block,
+                                                 FIRST_BITS=first_bits, SEEN_BITS=0)
     assert torch.equal(hist.cpu(), torch.zeros_like(hist.cpu()))
     assert torch.equal(bound.cpu(), torch.full((R,), torch.iinfo(torch.int64).max))
     assert torch.equal(stats[:, :, 2].sum(1).cpu(), torch.full((R,), N))
