@@ -27,8 +27,8 @@ them to the buffer. Where a row's history is split into parts longer than KP, it
 also count the keys they keep in a histogram of the row's (by the keys' top bits) and raise
 their bar to a key that KP of the row's keys already beat (_shared_bar): a split need not
 see KP positions of its own first. The ordering stage takes the bar the finished histogram
-gives for K, so a short split's Top-KP, most of which falls below it, is not ordered. When the buffer might not take the next tile, the
-running set and the candidates are merged: a threshold that exactly KP of them reach is found two bits
+gives for K, so a short split's Top-KP, most of which falls below it, is not ordered. When
+the buffer might not take the next tile, the running set and the candidates are merged: a threshold that exactly KP of them reach is found two bits
 a pass from the top (one block-wide count per pass, stopping once the KP-th best is
 separated from the next; no sort) and the keys that reach it kept, in the order they came. Over n
 positions in random order about KP (1 + ln(n / KP)) keys ever beat the bar, so a program merges a few times; a
@@ -819,7 +819,8 @@ def indexer_topk(
             FIXED_BLOCKS=fixed, SHARED_BITS=shared_bits, num_warps=num_warps, num_stages=num_stages,
         )
         # The shared bar hands over better keys, more of them on the first round's boundary
-        # digit; the second round in chunk launches takes them (run 78: `both`).
+        # digit; the second round in chunk launches takes them (run 78: `both`; measured before
+        # the first launch dropped the keys below the row's bar, which may leave it unneeded).
         idx, scores = order_keys(part, topk, second_round=bool(shared_bits), seen=seen if shared_bits else None)
     return (idx, scores) if return_scores else idx
 
