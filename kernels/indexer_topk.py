@@ -27,12 +27,13 @@ them to the buffer. Where a row's history is split into parts longer than KP, it
 also count the keys they keep in a histogram of the row's (by the keys' top bits) and raise
 their bar to a key that KP of the row's keys already beat (_shared_bar): a split need not
 see KP positions of its own first. The ordering stage takes the bar the finished histogram
-gives for K, so a short split's Top-KP, most of which falls below it, is not ordered. When
-the buffer might not take the next tile, the running set and the candidates are merged: a threshold that exactly KP of them reach is found two bits
-a pass from the top (one block-wide count per pass, stopping once the KP-th best is
-separated from the next; no sort) and the keys that reach it kept, in the order they came. Over n
-positions in random order about KP (1 + ln(n / KP)) keys ever beat the bar, so a program merges a few times; a
-history that only rises merges every KP positions, never gives a wrong answer. The
+gives for K, so a short split's Top-KP, most of which falls below it, is not ordered.
+When the buffer might not take the next tile, the running set and the candidates are
+merged: a threshold that exactly KP of them reach is found two bits a pass from the top
+(one block-wide count per pass, stopping once the KP-th best is separated from the next;
+no sort) and the keys that reach it kept, in the order they came. Over n positions in
+random order about KP (1 + ln(n / KP)) keys ever beat the bar, so a program merges a few
+times; a history that only rises merges every KP positions, never gives a wrong answer. The
 kernel writes each program's KP keys unsorted (run 19: Triton's sort of 4096 keys took
 113 us per merge, three quarters of the kernel's time at 64 x 128K; the scoring loop
 alone ran at 93% of copy bandwidth); each merge keeps its keys in the order they came,
