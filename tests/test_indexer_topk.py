@@ -327,6 +327,38 @@ def test_order_keys_equals_torch_topk(rows, splits, kp, topk, real, scores, wide
     assert torch.equal(got.cpu(), ref_scores)
 
 
+@pytest.mark.parametrize("scores", ["random", "ties", "one value"])
+@pytest.mark.parametrize("counted", ["every key", "half the keys", "none"])
+@pytest.mark.parametrize("topk", [16, 13, 200])
+def test_order_keys_drops_only_keys_below_the_rows_bar(scores, counted, topk):
+    """order_keys(seen=): the first launch drops the keys below the bar that the counts in
+    seen give for K; the set is torch.topk's whether seen counts every key, only some (the
+    scoring kernel's counts include keys a program later let go, never keys that do not
+    exist), or none (no bar), on ties that fill the boundary bin, and with K past the keys."""
+    rows, splits, kp, real, bits = 3, 4, 16, 40, 11
+    g = torch.Generator().manual_seed(topk)
+    none = torch.iinfo(torch.int64).min
+    part = torch.full((rows, splits * kp), none, dtype=torch.int64)
+    seen = torch.zeros(rows, 1 << bits, dtype=torch.int32)
+    for r in range(rows):
+        s = {"random": torch.randn(real, generator=g), "ties": torch.randint(-2, 3, (real,), generator=g).float(),
+             "one value": torch.zeros(real)}[scores]
+        keys = _module.encode_keys_torch(s, torch.randperm(1000, generator=g)[:real].sort().values)
+        part[r, torch.randperm(splits * kp, generator=g)[:real].sort().values] = keys
+        counted_keys = {"every key": keys, "half the keys": keys[::2], "none": keys[:0]}[counted]
+        seen[r] = torch.bincount(((counted_keys ^ none) >> (64 - bits)) & ((1 << bits) - 1), minlength=1 << bits)
+    part = part.reshape(rows, splits, kp)
+    ref_idx, ref_scores = _module.order_keys_torch(part, topk)
+    handed = part.clone().to(DEVICE)
+    idx, got = _module.order_keys(handed, topk, seen=seen.to(DEVICE))
+    assert torch.equal(idx.cpu(), ref_idx)
+    assert torch.equal(got.cpu(), ref_scores)
+    left = int((handed != none).sum())  # dropped in place
+    assert left == rows * real if counted == "none" or topk > real else left >= rows * topk
+    if counted == "every key" and scores == "random" and topk < real:
+        assert left < rows * real
+
+
 @pytest.mark.parametrize("first_bits", [8, 10])
 def test_chunk_stats_zero_the_histogram_whatever_it_held(first_bits):
     """order_keys takes its histogram, counter and bound from torch.empty: the stats launch
