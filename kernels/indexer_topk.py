@@ -368,11 +368,6 @@ def _row_start(stats_ptr, row, C, TOPK, C_POW2: tl.constexpr, FIRST_BITS: tl.con
     return (top + 1 - FIRST_BITS).to(tl.int64), tl.minimum(real, TOPK).to(tl.int32)
 
 
-# A row of order_keys's hist holds the first round's bins, then HIST_TAIL more: the first
-# round's rest counter, the second round's 256 bins and its rest2 counter.
-HIST_TAIL: tl.constexpr = tl.constexpr(1 + 256 + 1)
-
-
 @triton.jit
 def _boundary(hist, rest, BINS: tl.constexpr = 256):
     """The digit d that holds the rest-th best of the candidates histogrammed in hist [BINS],
@@ -389,17 +384,16 @@ def _boundary(hist, rest, BINS: tl.constexpr = 256):
 def _chunk_stats_kernel(part_ptr, stats_ptr, hist_ptr, bound_ptr, seen_ptr, N, TOPK, BLOCK: tl.constexpr,
                         FIRST_BITS: tl.constexpr, SEEN_BITS: tl.constexpr):
     """Program (row, chunk): its real keys' maximum, minimum and count; chunk 0 also zeroes
-    the row's histograms and counters and sets its bound to the largest key (one launch
+    the row's histogram and counter and sets its bound to the largest key (one launch
     fewer than a fill). With SEEN_BITS, first the keys below the bar the row's counts in
     seen give (_shared_bar at TOPK) become NONE in part: the later rounds never see them."""
     NONE: tl.constexpr = -9223372036854775807 - 1
-    HS: tl.constexpr = (1 << FIRST_BITS) + HIST_TAIL
+    HS: tl.constexpr = (1 << FIRST_BITS) + 1  # a row of hist: the first round's bins, then its rest counter
     row, c = tl.program_id(0).to(tl.int64), tl.program_id(1)
     if c == 0:
-        bins, rest = tl.arange(0, 1 << FIRST_BITS), tl.arange(0, 512)
-        tl.static_assert(HIST_TAIL <= 512, "the tail's zeroing covers 512 entries")
+        bins = tl.arange(0, 1 << FIRST_BITS)
         tl.store(hist_ptr + row * HS + bins, tl.zeros_like(bins))
-        tl.store(hist_ptr + row * HS + (1 << FIRST_BITS) + rest, tl.zeros_like(rest), mask=rest < HIST_TAIL)
+        tl.store(hist_ptr + row * HS + (1 << FIRST_BITS), 0)
         tl.store(bound_ptr + row, 9223372036854775807)
     offs = c * BLOCK + tl.arange(0, BLOCK)
     key = tl.load(part_ptr + row * N + offs, mask=offs < N, other=NONE)
@@ -422,7 +416,7 @@ def _chunk_histogram_kernel(part_ptr, stats_ptr, hist_ptr, N, TOPK, BLOCK: tl.co
     """Program (row, chunk): the first round's digit histogram of its real keys, added to the row's."""
     NONE: tl.constexpr = -9223372036854775807 - 1
     BINS: tl.constexpr = 1 << FIRST_BITS
-    HS: tl.constexpr = (1 << FIRST_BITS) + HIST_TAIL
+    HS: tl.constexpr = (1 << FIRST_BITS) + 1
     row, c = tl.program_id(0).to(tl.int64), tl.program_id(1)
     shift, _ = _row_start(stats_ptr, row, tl.num_programs(1), TOPK, C_POW2, FIRST_BITS)
     offs = c * BLOCK + tl.arange(0, BLOCK)
@@ -432,13 +426,11 @@ def _chunk_histogram_kernel(part_ptr, stats_ptr, hist_ptr, N, TOPK, BLOCK: tl.co
 
 
 @triton.jit
-def _split(key, live, d, last, shift, bound_ptr, counter_ptr, rest_ptr, hist2_ptr, BITS: tl.constexpr,
-           NEXT_HIST: tl.constexpr):
-    """One chunk's part of a round: of its keys (live: real, or the round's candidates), those
-    above the boundary digit d (and on it, when the select ends there) are in the Top-K: the
-    row's bound falls to their smallest. Those on it go to rest, at offsets taken from the
-    row's counter, in no particular order; with NEXT_HIST, their next digit's histogram is
-    added to hist2 (the next round's, before it starts)."""
+def _split(key, live, d, last, shift, bound_ptr, counter_ptr, rest_ptr, BITS: tl.constexpr):
+    """One chunk's part of the first round: of its keys (live: real), those above the boundary
+    digit d (and on it, when the select ends there) are in the Top-K: the row's bound falls to
+    their smallest. Those on it go to rest, at offsets taken from the row's counter, in no
+    particular order."""
     digit = _digit(key, shift, BITS)
     up = live & ((digit > d) | (last & (digit == d)))
     on = live & (digit == d) & ~last
@@ -446,19 +438,15 @@ def _split(key, live, d, last, shift, bound_ptr, counter_ptr, rest_ptr, hist2_pt
     n_on = tl.sum(on.to(tl.int32))
     at_on = tl.atomic_add(counter_ptr, n_on, mask=n_on > 0)
     tl.store(rest_ptr + at_on + tl.cumsum(on.to(tl.int32), 0) - 1, key, mask=on)
-    if NEXT_HIST:
-        hist2 = tl.histogram(_digit(key, shift - 8).to(tl.int32), 256, mask=on)
-        tl.atomic_add(hist2_ptr + tl.arange(0, 256), hist2, mask=hist2 > 0)
 
 
 @triton.jit
 def _chunk_split_kernel(part_ptr, stats_ptr, hist_ptr, bound_ptr, rest_ptr, N, TOPK,
-                        BLOCK: tl.constexpr, C_POW2: tl.constexpr, FIRST_BITS: tl.constexpr, SECOND: tl.constexpr):
-    """Program (row, chunk): the first round's split of its keys (_split); with SECOND, the
-    second round's histogram of those it keeps."""
+                        BLOCK: tl.constexpr, C_POW2: tl.constexpr, FIRST_BITS: tl.constexpr):
+    """Program (row, chunk): the first round's split of its keys (_split)."""
     NONE: tl.constexpr = -9223372036854775807 - 1
     BINS: tl.constexpr = 1 << FIRST_BITS
-    HS: tl.constexpr = (1 << FIRST_BITS) + HIST_TAIL
+    HS: tl.constexpr = (1 << FIRST_BITS) + 1
     row, c = tl.program_id(0).to(tl.int64), tl.program_id(1)
     shift, need = _row_start(stats_ptr, row, tl.num_programs(1), TOPK, C_POW2, FIRST_BITS)
     d, above, last = _boundary(tl.load(hist_ptr + row * HS + tl.arange(0, BINS)), need, BINS)
@@ -466,7 +454,7 @@ def _chunk_split_kernel(part_ptr, stats_ptr, hist_ptr, bound_ptr, rest_ptr, N, T
     key = tl.load(part_ptr + row * N + offs, mask=offs < N, other=NONE)
     # No key is real when need is 0: need = min(TOPK, real keys), TOPK > 0.
     _split(key, key != NONE, d, last, shift, bound_ptr + row, hist_ptr + row * HS + BINS, rest_ptr + row * N,
-           hist_ptr + row * HS + BINS + 1, FIRST_BITS, SECOND)
+           FIRST_BITS)
 
 
 @triton.jit
@@ -475,7 +463,7 @@ def _first_round(hist_ptr, row, shift, need, FIRST_BITS: tl.constexpr):
     whether it was the last, how many of the best are still to find, and how many
     candidates it kept."""
     BINS: tl.constexpr = 1 << FIRST_BITS
-    HS: tl.constexpr = (1 << FIRST_BITS) + HIST_TAIL
+    HS: tl.constexpr = (1 << FIRST_BITS) + 1
     hist = tl.load(hist_ptr + row * HS + tl.arange(0, BINS))
     d, above, last = _boundary(hist, need, BINS)
     kept = tl.sum(tl.where(tl.arange(0, BINS) == d, hist, 0))
@@ -483,46 +471,10 @@ def _first_round(hist_ptr, row, shift, need, FIRST_BITS: tl.constexpr):
 
 
 @triton.jit
-def _second_round(hist_ptr, row, shift, need, FIRST_BITS: tl.constexpr):
-    """Where the second round stands, from the row's two histograms: its shift, boundary
-    digit, whether it is the last, whether it runs at all, how many of the best are still
-    to find after it, and how many candidates it keeps."""
-    BINS: tl.constexpr = 1 << FIRST_BITS
-    HS: tl.constexpr = (1 << FIRST_BITS) + HIST_TAIL
-    shift, last1, left1, _ = _first_round(hist_ptr, row, shift, need, FIRST_BITS)
-    runs = (~last1) & (left1 > 0)
-    hist2 = tl.load(hist_ptr + row * HS + BINS + 1 + tl.arange(0, 256))
-    d, above, last = _boundary(hist2, left1)
-    kept = tl.sum(tl.where(tl.arange(0, 256) == d, hist2, 0))
-    return shift - 8, d, last, runs, left1 - above, tl.where(last, 0, kept)
-
-
-@triton.jit
-def _chunk_split2_kernel(stats_ptr, hist_ptr, bound_ptr, rest_ptr, rest2_ptr, N, TOPK,
-                         BLOCK: tl.constexpr, C_POW2: tl.constexpr, FIRST_BITS: tl.constexpr):
-    """Program (row, chunk): the second round's split of the first's candidates
-    (rest[row, :n]), in chunks as the first round's; its candidates go to rest2."""
-    NONE: tl.constexpr = -9223372036854775807 - 1
-    BINS: tl.constexpr = 1 << FIRST_BITS
-    HS: tl.constexpr = (1 << FIRST_BITS) + HIST_TAIL
-    row, c = tl.program_id(0).to(tl.int64), tl.program_id(1)
-    shift, need = _row_start(stats_ptr, row, tl.num_programs(1), TOPK, C_POW2, FIRST_BITS)
-    shift, d, last, runs, _, _ = _second_round(hist_ptr, row, shift, need, FIRST_BITS)
-    n = tl.load(hist_ptr + row * HS + BINS)
-    offs = c * BLOCK + tl.arange(0, BLOCK)
-    live = (offs < n) & runs
-    key = tl.load(rest_ptr + row * N + offs, mask=live, other=NONE)
-    _split(key, live, d, last, shift, bound_ptr + row, hist_ptr + row * HS + BINS + HIST_TAIL - 1, rest2_ptr + row * N,
-           hist_ptr, 8, False)
-
-
-@triton.jit
 def _select_rest_kernel(stats_ptr, hist_ptr, rest_ptr, bound_ptr, need_ptr, N, C, TOPK,
-                        BLOCK: tl.constexpr, C_POW2: tl.constexpr, FIRST_BITS: tl.constexpr, GPU: tl.constexpr,
-                        SECOND: tl.constexpr):
-    """One program per row: the rounds after the first (after the second, with SECOND), over
-    the candidates on its boundary digit (rest[row, :n]: the first round's rest, or the
-    second's rest2). A round histograms their next digit; those above the new boundary
+                        BLOCK: tl.constexpr, C_POW2: tl.constexpr, FIRST_BITS: tl.constexpr, GPU: tl.constexpr):
+    """One program per row: the rounds after the first, over the candidates on its boundary
+    digit (rest[row, :n]). A round histograms their next digit; those above the new boundary
     digit are in the Top-K (the bound falls to their smallest), those on it stay, in place
     at the front of rest; the round whose digit ends exactly at the need-th best takes that
     digit's keys too and is the last (keys are unique, so one comes by bit 0). The bound is
@@ -530,11 +482,7 @@ def _select_rest_kernel(stats_ptr, hist_ptr, rest_ptr, bound_ptr, need_ptr, N, C
     NONE: tl.constexpr = -9223372036854775807 - 1
     row = tl.program_id(0).to(tl.int64)
     shift, need = _row_start(stats_ptr, row, C, TOPK, C_POW2, FIRST_BITS)
-    if SECOND:
-        shift, _, last, runs, left, n = _second_round(hist_ptr, row, shift, need, FIRST_BITS)
-        last = last | ~runs
-    else:
-        shift, last, left, n = _first_round(hist_ptr, row, shift, need, FIRST_BITS)
+    shift, last, left, n = _first_round(hist_ptr, row, shift, need, FIRST_BITS)
     bound = tl.load(bound_ptr + row)
     src = rest_ptr + row * N
     offs = tl.arange(0, BLOCK)
@@ -616,16 +564,12 @@ SELECT_REST_KEYS = 1024
 ORDER_CHUNK_KEYS = 2048
 
 
-def order_keys(part: torch.Tensor, topk: int, second_round: bool = False,
-               seen: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def order_keys(part: torch.Tensor, topk: int, seen: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """[R, splits, width] keys in ascending position (NONE where there is none) -> the
     best topk positions [R, topk] int32 in ascending order, and their fp32 scores, -1 /
     -inf past the real keys. Six launches, no host sync (CUDA-graph capturable): chunk
     stats, the first round's histogram and split over every key, the later rounds per row,
-    the Top-K's count per chunk, its write. second_round: the second round runs in chunk
-    launches too (its histogram built by the first round's split, its split a seventh
-    launch), and the one-program rounds start at the third, over the few keys left; worth
-    it where many keys share the first round's boundary digit (run 78). Replaces torch.topk
+    the Top-K's count per chunk, its write. Replaces torch.topk
     over the keys, whose radix select and sort took 55-130 us at any width (run 42), and
     ranks by score, which compared every selected key with every other (75 us at 64 x 128K,
     run 74). Keys are unique per position, so the set is the reference's (see _encode);
@@ -634,7 +578,9 @@ def order_keys(part: torch.Tensor, topk: int, second_round: bool = False,
     seen [R, 2^bits] int32: counts of keys of each row by their top bits, every count a key
     that exists (the scoring kernel's shared-bar histogram). The first launch then turns the
     keys below the bar they give to NONE in part (in place): a split's Top-KP mostly falls
-    below the Top-K of a row split many ways, and the rounds read only what is left."""
+    below the Top-K of a row split many ways, and the rounds read only what is left. (With
+    it, a second round in chunk launches, which run 78 had kept for the shared bar's many
+    keys on the first boundary digit, cost 5-9 us at every shape it ran: run 84.)"""
     R = part.shape[0]
     part = part.reshape(R, -1).contiguous()
     N = part.shape[1]
@@ -647,10 +593,9 @@ def order_keys(part: torch.Tensor, topk: int, second_round: bool = False,
     c_pow2 = triton.next_power_of_2(C)
     stats = torch.empty(R, C, 3, dtype=torch.int64, device=part.device)
     first_bits = WIDE_DIGIT_BITS if N >= WIDE_DIGIT_MIN_KEYS else 8
-    hist = torch.empty(R, (1 << first_bits) + HIST_TAIL.value, dtype=torch.int32, device=part.device)
+    hist = torch.empty(R, (1 << first_bits) + 1, dtype=torch.int32, device=part.device)  # bins, rest counter
     bound = torch.empty(R, dtype=torch.int64, device=part.device)  # the row's need-th best key
     rest = torch.empty_like(part)
-    rest2 = torch.empty_like(part) if second_round else rest  # unused without the second round
     need = torch.empty(R, dtype=torch.int32, device=part.device)
     counts = torch.empty(R, C, dtype=torch.int32, device=part.device)
     seen_bits = 0 if seen is None else seen.shape[1].bit_length() - 1
@@ -658,12 +603,9 @@ def order_keys(part: torch.Tensor, topk: int, second_round: bool = False,
                                 FIRST_BITS=first_bits, SEEN_BITS=seen_bits, num_warps=8)
     first = dict(C_POW2=c_pow2, FIRST_BITS=first_bits, num_warps=8)
     _chunk_histogram_kernel[(R, C)](part, stats, hist, N, topk, BLOCK=block, **first)
-    _chunk_split_kernel[(R, C)](part, stats, hist, bound, rest, N, topk, BLOCK=block, SECOND=second_round, **first)
-    if second_round:
-        _chunk_split2_kernel[(R, C)](stats, hist, bound, rest, rest2, N, topk, BLOCK=block, **first)
-    _select_rest_kernel[(R,)](stats, hist, rest2, bound, need, N, C, topk, BLOCK=SELECT_REST_KEYS,
-                              GPU=not isinstance(_select_rest_kernel, InterpretedFunction), SECOND=second_round,
-                              **first)
+    _chunk_split_kernel[(R, C)](part, stats, hist, bound, rest, N, topk, BLOCK=block, **first)
+    _select_rest_kernel[(R,)](stats, hist, rest, bound, need, N, C, topk, BLOCK=SELECT_REST_KEYS,
+                              GPU=not isinstance(_select_rest_kernel, InterpretedFunction), **first)
     _chunk_count_kernel[(R, C)](part, bound, need, counts, N, BLOCK=block, num_warps=8)
     _chunk_write_kernel[(R, C)](part, bound, need, counts, idx, scores, N, topk, BLOCK=block, C_POW2=c_pow2,
                                 num_warps=8)
@@ -819,10 +761,7 @@ def indexer_topk(
             GPU=gpu, TREE=tree is not None,
             FIXED_BLOCKS=fixed, SHARED_BITS=shared_bits, num_warps=num_warps, num_stages=num_stages,
         )
-        # The shared bar hands over better keys, more of them on the first round's boundary
-        # digit; the second round in chunk launches takes them (run 78: `both`; measured before
-        # the first launch dropped the keys below the row's bar, which may leave it unneeded).
-        idx, scores = order_keys(part, topk, second_round=bool(shared_bits), seen=seen if shared_bits else None)
+        idx, scores = order_keys(part, topk, seen=seen if shared_bits else None)
     return (idx, scores) if return_scores else idx
 
 

@@ -297,15 +297,13 @@ def test_merge_threshold_keeps_exactly_the_best(real):
 ])
 @pytest.mark.parametrize("scores", ["random", "ties", "one value", "negative"])
 @pytest.mark.parametrize("wide_digit", [(10, 0), (12, 0), None])
-@pytest.mark.parametrize("second_round", [False, True])
-def test_order_keys_equals_torch_topk(rows, splits, kp, topk, real, scores, wide_digit, second_round, monkeypatch):
+def test_order_keys_equals_torch_topk(rows, splits, kp, topk, real, scores, wide_digit, monkeypatch):
     """The Triton ordering (radix select of the K-th best key, then the write by position)
     against one torch.topk over the same keys: random scores; few distinct scores (the
     select runs into the position bits); every score equal (the first rounds keep
     everything); negative and huge-magnitude scores. With a wide first digit on every row
     (the rounds after it start at another bit than after 8), a 12-bit one, and the served
-    digit rule (these rows are short: 8 bits); the second round in one program or in chunk
-    launches."""
+    digit rule (these rows are short: 8 bits)."""
     if wide_digit:
         monkeypatch.setattr(_module, "WIDE_DIGIT_BITS", wide_digit[0])
         monkeypatch.setattr(_module, "WIDE_DIGIT_MIN_KEYS", wide_digit[1])
@@ -322,7 +320,7 @@ def test_order_keys_equals_torch_topk(rows, splits, kp, topk, real, scores, wide
         part[r, at] = _module.encode_keys_torch(s, pos.sort().values)
     part = part.reshape(rows, splits, kp)
     ref_idx, ref_scores = _module.order_keys_torch(part, topk)
-    idx, got = _module.order_keys(part.clone().to(DEVICE), topk, second_round)
+    idx, got = _module.order_keys(part.clone().to(DEVICE), topk)
     assert torch.equal(idx.cpu(), ref_idx)
     assert torch.equal(got.cpu(), ref_scores)
 
@@ -365,7 +363,7 @@ def test_chunk_stats_zero_the_histogram_whatever_it_held(first_bits):
     zeroes the first two and sets the bound to the largest key (chunk 0 of each row)."""
     R, N, block = 2, 4096, 2048
     part = _module.encode_keys_torch(torch.randn(R, N), torch.arange(N).repeat(R, 1)).to(DEVICE)
-    hist = torch.full((R, (1 << first_bits) + _module.HIST_TAIL.value), 7, dtype=torch.int32, device=DEVICE)
+    hist = torch.full((R, (1 << first_bits) + 1), 7, dtype=torch.int32, device=DEVICE)
     bound = torch.full((R,), 7, dtype=torch.int64, device=DEVICE)
     stats = torch.empty(R, N // block, 3, dtype=torch.int64, device=DEVICE)
     _module._chunk_stats_kernel[(R, N // block)](part, stats, hist, bound, part, N, 1, BLOCK=block,
