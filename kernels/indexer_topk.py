@@ -426,24 +426,12 @@ def _chunk_histogram_kernel(part_ptr, stats_ptr, hist_ptr, N, TOPK, BLOCK: tl.co
 
 
 @triton.jit
-def _split(key, live, d, last, shift, bound_ptr, counter_ptr, rest_ptr, BITS: tl.constexpr):
-    """One chunk's part of the first round: of its keys (live: real), those above the boundary
+def _chunk_split_kernel(part_ptr, stats_ptr, hist_ptr, bound_ptr, rest_ptr, N, TOPK,
+                        BLOCK: tl.constexpr, C_POW2: tl.constexpr, FIRST_BITS: tl.constexpr):
+    """Program (row, chunk): the first round's split of its real keys. Those above the boundary
     digit d (and on it, when the select ends there) are in the Top-K: the row's bound falls to
     their smallest. Those on it go to rest, at offsets taken from the row's counter, in no
     particular order."""
-    digit = _digit(key, shift, BITS)
-    up = live & ((digit > d) | (last & (digit == d)))
-    on = live & (digit == d) & ~last
-    tl.atomic_min(bound_ptr, tl.min(tl.where(up, key, 9223372036854775807)), mask=tl.max(up.to(tl.int32)) > 0)
-    n_on = tl.sum(on.to(tl.int32))
-    at_on = tl.atomic_add(counter_ptr, n_on, mask=n_on > 0)
-    tl.store(rest_ptr + at_on + tl.cumsum(on.to(tl.int32), 0) - 1, key, mask=on)
-
-
-@triton.jit
-def _chunk_split_kernel(part_ptr, stats_ptr, hist_ptr, bound_ptr, rest_ptr, N, TOPK,
-                        BLOCK: tl.constexpr, C_POW2: tl.constexpr, FIRST_BITS: tl.constexpr):
-    """Program (row, chunk): the first round's split of its keys (_split)."""
     NONE: tl.constexpr = -9223372036854775807 - 1
     BINS: tl.constexpr = 1 << FIRST_BITS
     HS: tl.constexpr = (1 << FIRST_BITS) + 1
@@ -453,21 +441,25 @@ def _chunk_split_kernel(part_ptr, stats_ptr, hist_ptr, bound_ptr, rest_ptr, N, T
     offs = c * BLOCK + tl.arange(0, BLOCK)
     key = tl.load(part_ptr + row * N + offs, mask=offs < N, other=NONE)
     # No key is real when need is 0: need = min(TOPK, real keys), TOPK > 0.
-    _split(key, key != NONE, d, last, shift, bound_ptr + row, hist_ptr + row * HS + BINS, rest_ptr + row * N,
-           FIRST_BITS)
+    digit = _digit(key, shift, FIRST_BITS)
+    up = (key != NONE) & ((digit > d) | (last & (digit == d)))
+    on = (key != NONE) & (digit == d) & ~last
+    tl.atomic_min(bound_ptr + row, tl.min(tl.where(up, key, 9223372036854775807)), mask=tl.max(up.to(tl.int32)) > 0)
+    n_on = tl.sum(on.to(tl.int32))
+    at_on = tl.atomic_add(hist_ptr + row * HS + BINS, n_on, mask=n_on > 0)  # the row's rest counter
+    tl.store(rest_ptr + row * N + at_on + tl.cumsum(on.to(tl.int32), 0) - 1, key, mask=on)
 
 
 @triton.jit
-def _first_round(hist_ptr, row, shift, need, FIRST_BITS: tl.constexpr):
-    """Where the select stands after the first round, from the row's histogram: its shift,
-    whether it was the last, how many of the best are still to find, and how many
-    candidates it kept."""
+def _first_round(hist_ptr, row, need, FIRST_BITS: tl.constexpr):
+    """Where the select stands after the first round, from the row's histogram: whether it
+    was the last, how many of the best are still to find, and how many candidates it kept."""
     BINS: tl.constexpr = 1 << FIRST_BITS
     HS: tl.constexpr = (1 << FIRST_BITS) + 1
     hist = tl.load(hist_ptr + row * HS + tl.arange(0, BINS))
     d, above, last = _boundary(hist, need, BINS)
     kept = tl.sum(tl.where(tl.arange(0, BINS) == d, hist, 0))
-    return shift, last, need - above, tl.where(last, 0, kept)
+    return last, need - above, tl.where(last, 0, kept)
 
 
 @triton.jit
@@ -482,7 +474,7 @@ def _select_rest_kernel(stats_ptr, hist_ptr, rest_ptr, bound_ptr, need_ptr, N, C
     NONE: tl.constexpr = -9223372036854775807 - 1
     row = tl.program_id(0).to(tl.int64)
     shift, need = _row_start(stats_ptr, row, C, TOPK, C_POW2, FIRST_BITS)
-    shift, last, left, n = _first_round(hist_ptr, row, shift, need, FIRST_BITS)
+    last, left, n = _first_round(hist_ptr, row, need, FIRST_BITS)
     bound = tl.load(bound_ptr + row)
     src = rest_ptr + row * N
     offs = tl.arange(0, BLOCK)
@@ -569,11 +561,10 @@ def order_keys(part: torch.Tensor, topk: int, seen: torch.Tensor | None = None) 
     best topk positions [R, topk] int32 in ascending order, and their fp32 scores, -1 /
     -inf past the real keys. Six launches, no host sync (CUDA-graph capturable): chunk
     stats, the first round's histogram and split over every key, the later rounds per row,
-    the Top-K's count per chunk, its write. Replaces torch.topk
-    over the keys, whose radix select and sort took 55-130 us at any width (run 42), and
-    ranks by score, which compared every selected key with every other (75 us at 64 x 128K,
-    run 74). Keys are unique per position, so the set is the reference's (see _encode);
-    order_keys_torch is the reference.
+    the Top-K's count per chunk, its write. Replaces torch.topk over the keys, whose radix
+    select and sort took 55-130 us at any width (run 42), and ranks by score, which compared
+    every selected key with every other (75 us at 64 x 128K, run 74). Keys are unique per
+    position, so the set is the reference's (see _encode); order_keys_torch is the reference.
 
     seen [R, 2^bits] int32: counts of keys of each row by their top bits, every count a key
     that exists (the scoring kernel's shared-bar histogram). The first launch then turns the
