@@ -23,11 +23,11 @@ Each program keeps, per row, a running Top-KP (KP = next_pow2(K)) and a candidat
 buffer of KP keys, both in global memory (2 KP keys per row, L2-resident: a bound per
 program, never per position). A scored tile keeps only the keys that beat the running
 KP-th best (the bar: a key below it can never enter, the set only improves) and appends
-them to the buffer. Where a row's history is split into parts longer than KP, its programs
-also count the keys they keep in a histogram of the row's (by the keys' top bits) and raise
-their bar to a key that KP of the row's keys already beat (_shared_bar): a split need not
-see KP positions of its own first. The ordering stage takes the bar the finished histogram
-gives for K, so a short split's Top-KP, most of which falls below it, is not ordered.
+them to the buffer. Where a row's history is split across programs, they also count the
+keys they keep in a histogram of the row's (by the keys' top bits) and raise their bar to
+a key that KP of the row's keys already beat (_shared_bar): a split need not see KP
+positions of its own first. The ordering stage takes the bar the finished histogram gives
+for K, so a short split's Top-KP, most of which falls below it, is not ordered.
 When the buffer might not take the next tile, the running set and the candidates are
 merged: a threshold that exactly KP of them reach is found two bits a pass from the top
 (one block-wide count per pass, stopping once the KP-th best is separated from the next;
@@ -334,18 +334,16 @@ def _split_len(history: int, programs: int, target: int, block_s: int) -> int:
     return triton.cdiv(triton.cdiv(history, splits), block_s) * block_s
 
 
-# The ordering stage: a radix select of the bound of each row's Top-K (its min(K, real)-th
-# best key) from the splits' KP keys, from the highest bit on which the row's keys differ;
-# then every key at or above the bound written out in the splits' order, which is ascending
-# position. The first round (over every key) runs one program per chunk of a row; the rest
-# (over the keys on the first round's boundary digit) one program per row, 8 bits a round.
-# A key's top bits are its score's sign and exponent: with 8 of them, a boundary digit
-# spanning [0.5, 2) handed 28% of a 32K-key row to the one-program rounds (randn scores, K =
-# 2048). Rows of at least WIDE_DIGIT_MIN_KEYS keys therefore start with WIDE_DIGIT_BITS; the
-# wider histogram costs every chunk program, and below that it lost (H100, run 68: 1 x 32K
-# 0.058 against 0.064 ms with 10 bits, 64 x 128K 0.969 against 0.956; 12 bits lost at both).
-WIDE_DIGIT_BITS = 10
-WIDE_DIGIT_MIN_KEYS = 32768
+# The ordering stage, three launches. The first, one program per chunk of a row's keys,
+# drops the keys below the bar that the row's shared histogram gives for K (seen) and packs
+# the rest at the front of the chunk's span of a second buffer. The select, one program per
+# row, finds the bound of the row's Top-K (its min(K, kept)-th best key) by a radix select
+# over those, 8 bits a round from the highest bit on which they differ, each round packing
+# its candidates in place; it counts each chunk's keys at or above the bound on the way.
+# The write then puts those out in the chunks' order, which is ascending position. Where a
+# row's programs share a bar, the select reads about K keys of the row; where one split
+# holds it, at most KP. (Six launches with the first round in chunks over every key took
+# 31-38 us at 8 x 128K, and 35.7 of 56.6 us at 1 x 32K: H100, run 84.)
 
 @triton.jit
 def _digit(key, shift, BITS: tl.constexpr = 8):
@@ -353,19 +351,6 @@ def _digit(key, shift, BITS: tl.constexpr = 8):
     with its sign bit flipped, whose unsigned order is the key's signed order."""
     u = key ^ (-9223372036854775807 - 1)
     return tl.where(shift >= 0, u >> tl.maximum(shift, 0), u << tl.maximum(-shift, 0)) & ((1 << BITS) - 1)
-
-
-@triton.jit
-def _row_start(stats_ptr, row, C, TOPK, C_POW2: tl.constexpr, FIRST_BITS: tl.constexpr):
-    """From the row's chunk stats: the first round's shift (its digit is the top FIRST_BITS
-    of the bits on which the row's real keys differ) and need = min(TOPK, real keys)."""
-    offs = tl.arange(0, C_POW2)
-    at = stats_ptr + (row * C + offs) * 3
-    kmax = tl.max(tl.load(at, mask=offs < C, other=-9223372036854775807 - 1))
-    kmin = tl.min(tl.load(at + 1, mask=offs < C, other=9223372036854775807))
-    real = tl.sum(tl.load(at + 2, mask=offs < C, other=0))
-    top = tl.sum(((kmin ^ kmax) >> tl.arange(0, 64).to(tl.int64) != 0).to(tl.int32)) - 1  # highest differing bit
-    return (top + 1 - FIRST_BITS).to(tl.int64), tl.minimum(real, TOPK).to(tl.int32)
 
 
 @triton.jit
@@ -381,160 +366,108 @@ def _boundary(hist, rest, BINS: tl.constexpr = 256):
 
 
 @triton.jit
-def _chunk_stats_kernel(part_ptr, stats_ptr, hist_ptr, bound_ptr, seen_ptr, N, TOPK, BLOCK: tl.constexpr,
-                        FIRST_BITS: tl.constexpr, SEEN_BITS: tl.constexpr):
-    """Program (row, chunk): its real keys' maximum, minimum and count; chunk 0 also zeroes
-    the row's histogram and counter and sets its bound to the largest key (one launch
-    fewer than a fill). With SEEN_BITS, first the keys below the bar the row's counts in
-    seen give (_shared_bar at TOPK) become NONE in part: the later rounds never see them."""
+def _chunk_keep_kernel(part_ptr, kept_ptr, stats_ptr, seen_ptr, N, TOPK, BLOCK: tl.constexpr,
+                       SEEN_BITS: tl.constexpr):
+    """Program (row, chunk): its real keys, less those at or below the bar the row's counts in
+    seen give (_shared_bar at TOPK) with SEEN_BITS, packed in order at the front of the
+    chunk's span of kept; their count, maximum and minimum in stats."""
     NONE: tl.constexpr = -9223372036854775807 - 1
-    HS: tl.constexpr = (1 << FIRST_BITS) + 1  # a row of hist: the first round's bins, then its rest counter
     row, c = tl.program_id(0).to(tl.int64), tl.program_id(1)
-    if c == 0:
-        bins = tl.arange(0, 1 << FIRST_BITS)
-        tl.store(hist_ptr + row * HS + bins, tl.zeros_like(bins))
-        tl.store(hist_ptr + row * HS + (1 << FIRST_BITS), 0)
-        tl.store(bound_ptr + row, 9223372036854775807)
     offs = c * BLOCK + tl.arange(0, BLOCK)
     key = tl.load(part_ptr + row * N + offs, mask=offs < N, other=NONE)
+    keep = key != NONE
     if SEEN_BITS:
         one = tl.full([1], 1, tl.int1)
-        bar = tl.max(_shared_bar(seen_ptr, row + tl.zeros([1], tl.int64), one, TOPK, SEEN_BITS), axis=0)
-        below = (key != NONE) & (key <= bar)
-        key = tl.where(below, NONE, key)
-        tl.store(part_ptr + row * N + offs, key, mask=below)
-    real = key != NONE
+        keep &= key > tl.max(_shared_bar(seen_ptr, row + tl.zeros([1], tl.int64), one, TOPK, SEEN_BITS), axis=0)
+    tl.store(kept_ptr + row * N + c * BLOCK + tl.cumsum(keep.to(tl.int32), 0) - 1, key, mask=keep)
     at = stats_ptr + (row * tl.num_programs(1) + c) * 3
-    tl.store(at, tl.max(key))
-    tl.store(at + 1, tl.min(tl.where(real, key, 9223372036854775807)))
-    tl.store(at + 2, tl.sum(real.to(tl.int64)))
+    tl.store(at, tl.sum(keep.to(tl.int64)))
+    tl.store(at + 1, tl.max(tl.where(keep, key, NONE)))
+    tl.store(at + 2, tl.min(tl.where(keep, key, 9223372036854775807)))
 
 
 @triton.jit
-def _chunk_histogram_kernel(part_ptr, stats_ptr, hist_ptr, N, TOPK, BLOCK: tl.constexpr, C_POW2: tl.constexpr,
-                            FIRST_BITS: tl.constexpr):
-    """Program (row, chunk): the first round's digit histogram of its real keys, added to the row's."""
+def _packed(src, count, o, CHUNK: tl.constexpr, C_POW2: tl.constexpr, W: tl.constexpr):
+    """Keys o..o + W of each chunk's packed keys src[c * CHUNK:][:count[c]]: [C_POW2, W], and
+    which are there. Through L2 (.cg): the select's threads read what the others stored."""
+    j = o + tl.arange(0, W)
+    there = j[None, :] < count[:, None]
+    key = tl.load(src + tl.arange(0, C_POW2)[:, None] * CHUNK + j[None, :], mask=there, other=0,
+                  cache_modifier=".cg")
+    return key, there
+
+
+@triton.jit
+def _select_kernel(kept_ptr, stats_ptr, bound_ptr, need_ptr, before_ptr, N, C, TOPK, CHUNK: tl.constexpr,
+                   C_POW2: tl.constexpr, W: tl.constexpr, GPU: tl.constexpr):
+    """One program per row: the bound of its Top-K, by a radix select over the keys its chunks
+    kept, and how many keys at or above it come before each chunk's. A round histograms the
+    candidates' digit (8 bits, from the highest bit on which the kept keys differ down);
+    those above the boundary digit are in the Top-K (the bound falls to their smallest),
+    those on it stay, packed at the front of their chunk's span; the round whose digit ends
+    exactly at the need-th best takes that digit's keys too and is the last (keys are
+    unique: one comes by bit 0). The bound is then the need-th best key itself, or the
+    largest key when need is 0."""
     NONE: tl.constexpr = -9223372036854775807 - 1
-    BINS: tl.constexpr = 1 << FIRST_BITS
-    HS: tl.constexpr = (1 << FIRST_BITS) + 1
-    row, c = tl.program_id(0).to(tl.int64), tl.program_id(1)
-    shift, _ = _row_start(stats_ptr, row, tl.num_programs(1), TOPK, C_POW2, FIRST_BITS)
-    offs = c * BLOCK + tl.arange(0, BLOCK)
-    key = tl.load(part_ptr + row * N + offs, mask=offs < N, other=NONE)
-    hist = tl.histogram(_digit(key, shift, FIRST_BITS).to(tl.int32), BINS, mask=key != NONE)
-    tl.atomic_add(hist_ptr + row * HS + tl.arange(0, BINS), hist, mask=hist > 0)
-
-
-@triton.jit
-def _chunk_split_kernel(part_ptr, stats_ptr, hist_ptr, bound_ptr, rest_ptr, N, TOPK,
-                        BLOCK: tl.constexpr, C_POW2: tl.constexpr, FIRST_BITS: tl.constexpr):
-    """Program (row, chunk): the first round's split of its real keys. Those above the boundary
-    digit d (and on it, when the select ends there) are in the Top-K: the row's bound falls to
-    their smallest. Those on it go to rest, at offsets taken from the row's counter, in no
-    particular order."""
-    NONE: tl.constexpr = -9223372036854775807 - 1
-    BINS: tl.constexpr = 1 << FIRST_BITS
-    HS: tl.constexpr = (1 << FIRST_BITS) + 1
-    row, c = tl.program_id(0).to(tl.int64), tl.program_id(1)
-    shift, need = _row_start(stats_ptr, row, tl.num_programs(1), TOPK, C_POW2, FIRST_BITS)
-    d, above, last = _boundary(tl.load(hist_ptr + row * HS + tl.arange(0, BINS)), need, BINS)
-    offs = c * BLOCK + tl.arange(0, BLOCK)
-    key = tl.load(part_ptr + row * N + offs, mask=offs < N, other=NONE)
-    # No key is real when need is 0: need = min(TOPK, real keys), TOPK > 0.
-    digit = _digit(key, shift, FIRST_BITS)
-    up = (key != NONE) & ((digit > d) | (last & (digit == d)))
-    on = (key != NONE) & (digit == d) & ~last
-    tl.atomic_min(bound_ptr + row, tl.min(tl.where(up, key, 9223372036854775807)), mask=tl.max(up.to(tl.int32)) > 0)
-    n_on = tl.sum(on.to(tl.int32))
-    at_on = tl.atomic_add(hist_ptr + row * HS + BINS, n_on, mask=n_on > 0)  # the row's rest counter
-    tl.store(rest_ptr + row * N + at_on + tl.cumsum(on.to(tl.int32), 0) - 1, key, mask=on)
-
-
-@triton.jit
-def _first_round(hist_ptr, row, need, FIRST_BITS: tl.constexpr):
-    """Where the select stands after the first round, from the row's histogram: whether it
-    was the last, how many of the best are still to find, and how many candidates it kept."""
-    BINS: tl.constexpr = 1 << FIRST_BITS
-    HS: tl.constexpr = (1 << FIRST_BITS) + 1
-    hist = tl.load(hist_ptr + row * HS + tl.arange(0, BINS))
-    d, above, last = _boundary(hist, need, BINS)
-    kept = tl.sum(tl.where(tl.arange(0, BINS) == d, hist, 0))
-    return last, need - above, tl.where(last, 0, kept)
-
-
-@triton.jit
-def _select_rest_kernel(stats_ptr, hist_ptr, rest_ptr, bound_ptr, need_ptr, N, C, TOPK,
-                        BLOCK: tl.constexpr, C_POW2: tl.constexpr, FIRST_BITS: tl.constexpr, GPU: tl.constexpr):
-    """One program per row: the rounds after the first, over the candidates on its boundary
-    digit (rest[row, :n]). A round histograms their next digit; those above the new boundary
-    digit are in the Top-K (the bound falls to their smallest), those on it stay, in place
-    at the front of rest; the round whose digit ends exactly at the need-th best takes that
-    digit's keys too and is the last (keys are unique, so one comes by bit 0). The bound is
-    then the need-th best key itself."""
-    NONE: tl.constexpr = -9223372036854775807 - 1
+    LARGEST: tl.constexpr = 9223372036854775807
     row = tl.program_id(0).to(tl.int64)
-    shift, need = _row_start(stats_ptr, row, C, TOPK, C_POW2, FIRST_BITS)
-    last, left, n = _first_round(hist_ptr, row, need, FIRST_BITS)
-    bound = tl.load(bound_ptr + row)
-    src = rest_ptr + row * N
-    offs = tl.arange(0, BLOCK)
-    going = (~last) & (left > 0) & (shift > -8)  # a round at shift -8 would read no bit
+    chunks = tl.arange(0, C_POW2)
+    at = stats_ptr + (row * C + chunks) * 3
+    count = tl.load(at, mask=chunks < C, other=0).to(tl.int32)
+    kmax = tl.max(tl.load(at + 1, mask=chunks < C, other=NONE))
+    kmin = tl.min(tl.load(at + 2, mask=chunks < C, other=LARGEST))
+    shift = tl.sum(((kmin ^ kmax) >> tl.arange(0, 64).to(tl.int64) != 0).to(tl.int32)).to(tl.int64)  # top one + 1
+    need = tl.minimum(tl.sum(count), TOPK)
+    src = kept_ptr + row * N
+    bound = tl.full([], LARGEST, tl.int64)
+    top = tl.zeros([C_POW2], tl.int32)  # each chunk's keys at or above the bound
+    left = need
+    going = left > 0
     while going:
-        shift -= 8
-        counts = tl.zeros([256], tl.int32)
-        for c in range(0, n, BLOCK):
-            key = tl.load(src + c + offs, mask=c + offs < n, other=NONE, cache_modifier=".cg")
-            counts += tl.histogram(_digit(key, shift).to(tl.int32), 256, mask=c + offs < n)
-        d, above, last = _boundary(counts, left)
-        kept = tl.zeros([], tl.int32)
-        for c in range(0, n, BLOCK):
-            key = tl.load(src + c + offs, mask=c + offs < n, other=NONE, cache_modifier=".cg")
+        shift -= 8  # the first round's digit: the top 8 of the bits on which the kept keys differ
+        longest = tl.max(count, axis=0)
+        hist = tl.zeros([256], tl.int32)
+        for o in range(0, longest, W):
+            key, there = _packed(src, count, o, CHUNK, C_POW2, W)
+            hist += tl.histogram(tl.reshape(_digit(key, shift), [C_POW2 * W]).to(tl.int32), 256,
+                                 mask=tl.reshape(there, [C_POW2 * W]))
+        d, above, last = _boundary(hist, left)
+        kept = tl.zeros([C_POW2], tl.int32)
+        for o in range(0, longest, W):
+            key, there = _packed(src, count, o, CHUNK, C_POW2, W)
             digit = _digit(key, shift)
-            up = (c + offs < n) & ((digit > d) | (last & (digit == d)))
-            on = (c + offs < n) & (digit == d) & ~last
-            bound = tl.minimum(bound, tl.min(tl.where(up, key, 9223372036854775807)))
-            # In place: a candidate goes to src[kept + ...], never past what this or an
-            # earlier chunk read (the cumsum needs every thread's loads first).
-            tl.store(src + kept + tl.cumsum(on.to(tl.int32), 0) - 1, key, mask=on)
-            kept += tl.sum(on.to(tl.int32))
+            up = there & ((digit > d) | (last & (digit == d)))
+            on = there & (digit == d) & ~last
+            bound = tl.minimum(bound, tl.min(tl.min(tl.where(up, key, LARGEST), axis=1), axis=0))
+            top += tl.sum(up.to(tl.int32), axis=1)
+            # In place: a key moves to or before where it was read in its chunk (the cumsum
+            # waits for the loads of the keys before it).
+            at_on = kept[:, None] + tl.cumsum(on.to(tl.int32), axis=1) - 1
+            tl.store(src + chunks[:, None] * CHUNK + at_on, key, mask=on)
+            kept += tl.sum(on.to(tl.int32), axis=1)
         # The next round reads what other threads stored: after a barrier.
-        n = tl.max(_after_barrier(kept + tl.zeros([1], tl.int32), GPU), axis=0)
+        total = tl.max(_after_barrier(tl.sum(kept) + tl.zeros([1], tl.int32), GPU), axis=0)
+        count = tl.where(total >= 0, kept, 0)
         left -= above
         going = (~last) & (left > 0) & (shift > -8)
     tl.store(bound_ptr + row, bound)
     tl.store(need_ptr + row, need)
+    tl.store(before_ptr + row * C + chunks, tl.cumsum(top, 0) - top, mask=chunks < C)
 
 
 @triton.jit
-def _chunk_top(part_ptr, bound_ptr, need, row, c, N, BLOCK: tl.constexpr):
-    """Chunk c of the row's keys, and which are in its Top-K: at or above its bound, which is
-    a real key (never NONE), or the largest key when there is none (need 0)."""
-    offs = c * BLOCK + tl.arange(0, BLOCK)
-    key = tl.load(part_ptr + row * N + offs, mask=offs < N, other=-9223372036854775807 - 1)
-    return key, (key >= tl.load(bound_ptr + row)) & (need > 0)
-
-
-@triton.jit
-def _chunk_count_kernel(part_ptr, bound_ptr, need_ptr, count_ptr, N, BLOCK: tl.constexpr):
-    """Program (row, chunk): how many of its keys are in the row's Top-K."""
-    row, c = tl.program_id(0).to(tl.int64), tl.program_id(1)
-    _, top = _chunk_top(part_ptr, bound_ptr, tl.load(need_ptr + row), row, c, N, BLOCK)
-    tl.store(count_ptr + row * tl.num_programs(1) + c, tl.sum(top.to(tl.int32)))
-
-
-@triton.jit
-def _chunk_write_kernel(part_ptr, bound_ptr, need_ptr, count_ptr, idx_ptr, score_ptr, N, TOPK,
-                        BLOCK: tl.constexpr, C_POW2: tl.constexpr):
-    """Program (row, chunk): its Top-K keys as positions and scores, after the earlier
-    chunks' (so in the keys' order: ascending position), and its share of the -1 / -inf
-    past need."""
+def _chunk_write_kernel(part_ptr, bound_ptr, need_ptr, before_ptr, idx_ptr, score_ptr, N, TOPK,
+                        BLOCK: tl.constexpr):
+    """Program (row, chunk): its keys at or above the row's bound (a real key, or the largest
+    key when need is 0) as positions and scores, after the earlier chunks' (so in the keys'
+    order: ascending position), and its share of the -1 / -inf past need."""
     row, c = tl.program_id(0).to(tl.int64), tl.program_id(1)
     C = tl.num_programs(1)
-    offs_c = tl.arange(0, C_POW2)
-    before = tl.sum(tl.load(count_ptr + row * C + offs_c, mask=offs_c < c, other=0))
     need = tl.load(need_ptr + row)
-    key, top = _chunk_top(part_ptr, bound_ptr, need, row, c, N, BLOCK)
-    at = row * TOPK + before + tl.cumsum(top.to(tl.int32), 0) - 1
+    offs = c * BLOCK + tl.arange(0, BLOCK)
+    key = tl.load(part_ptr + row * N + offs, mask=offs < N, other=-9223372036854775807 - 1)
+    top = (key >= tl.load(bound_ptr + row)) & (need > 0)
+    at = row * TOPK + tl.load(before_ptr + row * C + c) + tl.cumsum(top.to(tl.int32), 0) - 1
     ordered = (key >> 32).to(tl.int32)
     score = tl.where(ordered >= 0, ordered, ordered ^ 0x7FFFFFFF).to(tl.float32, bitcast=True)
     tl.store(idx_ptr + at, (0x7FFFFFFF - (key & 0xFFFFFFFF)).to(tl.int32), mask=top)
@@ -546,32 +479,28 @@ def _chunk_write_kernel(part_ptr, bound_ptr, need_ptr, count_ptr, idx_ptr, score
         tl.store(score_ptr + row * TOPK + s, tl.full([BLOCK], float("-inf"), tl.float32), mask=pad)
 
 
-# Keys the one-program rounds after the first read per loop step. 2048 and 4096 (fewer,
-# wider steps) lost 1-7 us at one row and tied elsewhere (H100, run 77).
-SELECT_REST_KEYS = 1024
+# Keys per loop step of the select: [chunks, SELECT_KEYS // chunks]. (2048 and 4096, fewer and
+# wider steps, lost 1-7 us at one row and tied elsewhere in the six-launch ordering: H100, run 77.)
+SELECT_KEYS = 1024
 
-# Keys per program of the chunk launches (stats, histogram, split, count, write): each
-# chunk adds its histogram to the row's with global atomics, one per occupied bin.
-# 4096 (half the programs and atomics) lost 3-4 us at one row and tied elsewhere (H100, run 70).
+# Keys per program of the keep and write launches.
+# 4096 (half the programs) lost 3-4 us at one row and tied elsewhere (H100, run 70).
 ORDER_CHUNK_KEYS = 2048
 
 
 def order_keys(part: torch.Tensor, topk: int, seen: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """[R, splits, width] keys in ascending position (NONE where there is none) -> the
     best topk positions [R, topk] int32 in ascending order, and their fp32 scores, -1 /
-    -inf past the real keys. Six launches, no host sync (CUDA-graph capturable): chunk
-    stats, the first round's histogram and split over every key, the later rounds per row,
-    the Top-K's count per chunk, its write. Replaces torch.topk over the keys, whose radix
-    select and sort took 55-130 us at any width (run 42), and ranks by score, which compared
-    every selected key with every other (75 us at 64 x 128K, run 74). Keys are unique per
-    position, so the set is the reference's (see _encode); order_keys_torch is the reference.
+    -inf past the real keys. Three launches, no host sync (CUDA-graph capturable): keep,
+    select, write. Replaces torch.topk over the keys, whose radix select and sort took
+    55-130 us at any width (run 42), and ranks by score, which compared every selected key
+    with every other (75 us at 64 x 128K, run 74). Keys are unique per position, so the set
+    is the reference's (see _encode); order_keys_torch is the reference.
 
     seen [R, 2^bits] int32: counts of keys of each row by their top bits, every count a key
-    that exists (the scoring kernel's shared-bar histogram). The first launch then turns the
-    keys below the bar they give to NONE in part (in place): a split's Top-KP mostly falls
-    below the Top-K of a row split many ways, and the rounds read only what is left. (With
-    it, a second round in chunk launches, which run 78 had kept for the shared bar's many
-    keys on the first boundary digit, cost 5-9 us at every shape it ran: run 84.)"""
+    that exists (the scoring kernel's shared-bar histogram). The keep launch then drops the
+    keys below the bar they give for topk: a split's Top-KP mostly falls below the Top-K of
+    a row split many ways, and the select reads only what is left."""
     R = part.shape[0]
     part = part.reshape(R, -1).contiguous()
     N = part.shape[1]
@@ -582,24 +511,18 @@ def order_keys(part: torch.Tensor, topk: int, seen: torch.Tensor | None = None) 
     block = min(ORDER_CHUNK_KEYS, triton.next_power_of_2(N))
     C = triton.cdiv(N, block)
     c_pow2 = triton.next_power_of_2(C)
-    stats = torch.empty(R, C, 3, dtype=torch.int64, device=part.device)
-    first_bits = WIDE_DIGIT_BITS if N >= WIDE_DIGIT_MIN_KEYS else 8
-    hist = torch.empty(R, (1 << first_bits) + 1, dtype=torch.int32, device=part.device)  # bins, rest counter
+    kept = torch.empty_like(part)
+    stats = torch.empty(R, C, 3, dtype=torch.int64, device=part.device)  # kept keys: count, max, min
     bound = torch.empty(R, dtype=torch.int64, device=part.device)  # the row's need-th best key
-    rest = torch.empty_like(part)
     need = torch.empty(R, dtype=torch.int32, device=part.device)
-    counts = torch.empty(R, C, dtype=torch.int32, device=part.device)
+    before = torch.empty(R, C, dtype=torch.int32, device=part.device)
     seen_bits = 0 if seen is None else seen.shape[1].bit_length() - 1
-    _chunk_stats_kernel[(R, C)](part, stats, hist, bound, part if seen is None else seen, N, topk, BLOCK=block,
-                                FIRST_BITS=first_bits, SEEN_BITS=seen_bits, num_warps=8)
-    first = dict(C_POW2=c_pow2, FIRST_BITS=first_bits, num_warps=8)
-    _chunk_histogram_kernel[(R, C)](part, stats, hist, N, topk, BLOCK=block, **first)
-    _chunk_split_kernel[(R, C)](part, stats, hist, bound, rest, N, topk, BLOCK=block, **first)
-    _select_rest_kernel[(R,)](stats, hist, rest, bound, need, N, C, topk, BLOCK=SELECT_REST_KEYS,
-                              GPU=not isinstance(_select_rest_kernel, InterpretedFunction), **first)
-    _chunk_count_kernel[(R, C)](part, bound, need, counts, N, BLOCK=block, num_warps=8)
-    _chunk_write_kernel[(R, C)](part, bound, need, counts, idx, scores, N, topk, BLOCK=block, C_POW2=c_pow2,
-                                num_warps=8)
+    _chunk_keep_kernel[(R, C)](part, kept, stats, part if seen is None else seen, N, topk, BLOCK=block,
+                               SEEN_BITS=seen_bits, num_warps=8)
+    _select_kernel[(R,)](kept, stats, bound, need, before, N, C, topk, CHUNK=block, C_POW2=c_pow2,
+                         W=max(1, SELECT_KEYS // c_pow2), GPU=not isinstance(_select_kernel, InterpretedFunction),
+                         num_warps=8)
+    _chunk_write_kernel[(R, C)](part, bound, need, before, idx, scores, N, topk, BLOCK=block, num_warps=8)
     return idx, scores
 
 
@@ -738,9 +661,10 @@ def indexer_topk(
         part = torch.empty(R, splits, min(kp, split_len), dtype=torch.int64, device=q.device)
         cand = torch.empty(blocks * splits * block_m * 2 * kp, dtype=torch.int64, device=q.device)
         # One program a row has no one to share with. Where splits are no longer than KP
-        # (1 x 4K-128K, 8 x 32K: 512 positions, H100, run 78) its atomics, 8-264 programs on
-        # one row's bins, cost 4-7 us and the ordering took as long.
-        shared_bits = SHARED_BAR_BITS if splits > 1 and split_len > kp else 0
+        # (1 x 4K-128K, 8 x 32K: 512 positions) the atomics, 8-264 programs on one row's
+        # bins, cost 4-7 us (H100, run 78), and the counts let the ordering drop all but
+        # about K of the row's keys.
+        shared_bits = SHARED_BAR_BITS if splits > 1 else 0
         seen = torch.zeros(R, 1 << shared_bits, dtype=torch.int32, device=q.device) if shared_bits else part  # unused
         _indexer_topk_kernel[(blocks, splits)](
             q, weights, index_k, req_to_token, row_req, row_len, starts, ends, q_scale, k_scale, part, cand, seen,

@@ -95,10 +95,9 @@ def cases():
     (qn, qns), (kn, kns) = (mxfp8.quantize_mxfp8_torch(x[..., :16].float(), 16) for x in (q, k))
     out.append(("indexer_topk[decode,fp8 a scale a vector,head dim 16]", lambda: indexer_topk.indexer_topk(
         qn, w, kn, table, row_req, row_len, 2048, q_scale=qns, k_scale=kns, programs=264)))
-    # A row of 32K keys or more (one long decode row's splits) starts its select with the wide digit.
-    keys = indexer_topk.encode_keys_torch(torch.randn(1, indexer_topk.WIDE_DIGIT_MIN_KEYS, generator=g),
-                                          torch.arange(indexer_topk.WIDE_DIGIT_MIN_KEYS).view(1, -1))
-    out.append(("order_keys[wide first digit]", lambda: indexer_topk.order_keys(keys.view(1, 16, -1), 2048)))
+    # One long decode row's splits hand the ordering many chunks: the select's steps read [32, 32] keys.
+    keys = indexer_topk.encode_keys_torch(torch.randn(1, 32 * 2048, generator=g), torch.arange(32 * 2048).view(1, -1))
+    out.append(("order_keys[32 chunks]", lambda: indexer_topk.order_keys(keys.view(1, 32, -1), 2048)))
     tree = (row_len - rows, torch.full((rows,), 2**rows - 1, dtype=torch.int64))  # verify rows of a draft tree
     out.append(("indexer_topk[tree verify,bf16]", lambda: indexer_topk.indexer_topk(
         q, w, k, table, row_req, row_len, 2048, block_m=_EXTEND_ROW_BLOCK, rows_per_request=rows, tree=tree)))
