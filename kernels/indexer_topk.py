@@ -416,7 +416,7 @@ def _select_kernel(kept_ptr, stats_ptr, bound_ptr, need_ptr, before_ptr, N, C, T
     count = tl.load(at, mask=chunks < C, other=0).to(tl.int32)
     kmax = tl.max(tl.load(at + 1, mask=chunks < C, other=NONE))
     kmin = tl.min(tl.load(at + 2, mask=chunks < C, other=LARGEST))
-    shift = tl.sum(((kmin ^ kmax) >> tl.arange(0, 64).to(tl.int64) != 0).to(tl.int32)).to(tl.int64)  # top one + 1
+    shift = tl.sum(((kmin ^ kmax) >> tl.arange(0, 64).to(tl.int64) != 0).to(tl.int32)).to(tl.int64)  # the highest differing bit + 1
     need = tl.minimum(tl.sum(count), TOPK)
     src = kept_ptr + row * N
     bound = tl.full([], LARGEST, tl.int64)
