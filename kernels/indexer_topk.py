@@ -329,7 +329,9 @@ def _split_len(history: int, programs: int, target: int, block_s: int) -> int:
     at least MIN_SPLIT_TILES of them. A split shorter than KP hands all its keys to the
     ordering, which then reads the whole history, as one of KP does: so a few long rows
     spread over the GPU instead of a few programs each scoring KP positions. From the table
-    width, not the lengths, so it is the same in every replay of a CUDA graph."""
+    width, not the lengths, so it is the same in every replay of a CUDA graph. (Splits capped
+    at KP, for more programs and no merges, lost 15-30% at 8 x 128K - 64 x 128K: each program
+    costs about 20 us beyond its positions. H100, run 87.)"""
     splits = min(triton.cdiv(history, MIN_SPLIT_TILES * block_s), max(1, target // programs))
     return triton.cdiv(triton.cdiv(history, splits), block_s) * block_s
 
@@ -342,8 +344,11 @@ def _split_len(history: int, programs: int, target: int, block_s: int) -> int:
 # its candidates in place; it counts each chunk's keys at or above the bound on the way.
 # The write then puts those out in the chunks' order, which is ascending position. Where a
 # row's programs share a bar, the select reads about K keys of the row; where one split
-# holds it, at most KP. (Six launches with the first round in chunks over every key took
-# 31-38 us at 8 x 128K, and 35.7 of 56.6 us at 1 x 32K: H100, run 84.)
+# holds it, at most KP. Three launches took 18 us at 1 x 32K and 24-31 us at 8-64 rows, where
+# six with the first round in chunks over every key took 35 and 30-37 (H100, run 86). The
+# select is one program's serial round trips to L2. (Building the next round's histogram in
+# each round's pack pass, to read the keys once a round, was exact in the interpreter but
+# selected wrongly, differently from call to call, on the GPU: run 88, cause not found.)
 
 @triton.jit
 def _digit(key, shift, BITS: tl.constexpr = 8):
@@ -590,10 +595,12 @@ def indexer_topk(
     each K tile; decode rows (one per request) want 1. It is capped at 4096 // KP rows: a
     merge holds the block's 2 KP keys per row in registers, and beyond that they spill
     (tests/compile_for_sm90.py compiles the served shapes).
-    programs: about how many programs to run (default: 2 per SM). When there are fewer row
-    blocks, the history is split across programs (split-K, as in flash-decoding) and the
-    splits' Top-Ks are merged by the ordering that orders them anyway (order_keys): a few
-    KP-wide rows per query row, never a score per position. num_warps: per program.
+    programs: about how many programs to run (default: 2 per SM; one per SM with 8 warps was
+    12-25% slower at 8 x 128K and up, 1-4 us faster at 1-8 x 32K: H100, run 87). When there
+    are fewer row blocks, the history is split across programs (split-K, as in
+    flash-decoding) and the splits' Top-Ks are merged by the ordering that orders them
+    anyway (order_keys): a few KP-wide rows per query row, never a score per position.
+    num_warps: per program.
     num_stages: Triton's software pipelining depth for the tile loads (loading the next tile by hand into registers
     instead measured no faster, run 18); the page-table lookup takes one stage of it, and
     below 5 no tile loads while another computes (tests/compile_for_sm90.py reports it as
