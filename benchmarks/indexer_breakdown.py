@@ -143,16 +143,18 @@ def merges_per_program(scores: torch.Tensor, topk: int, split_len: int, block_s:
 
 def ordering_ms(rows: int, splits: int, width: int, topk: int) -> dict:
     """The ordering stage alone at the kernel's part shape [rows, splits, width], on keys of
-    random fp32 scores at ascending positions, as the scoring kernel writes them: order_keys
+    random fp32 scores at ascending positions, as the scoring kernel writes them, with the
+    rows' shared histogram where they are split (as indexer_topk hands it over): order_keys
     (Triton) against order_keys_torch (one torch.topk), CUDA-graph medians, and whether they agree."""
     g = torch.Generator(device="cuda").manual_seed(rows * splits)
     positions = torch.arange(splits * width, device="cuda").repeat(rows, 1)
     part = indexer_topk.encode_keys_torch(torch.randn(rows, splits * width, device="cuda", generator=g),
                                           positions).reshape(rows, splits, width)
-    same = all(torch.equal(a, b) for a, b in zip(indexer_topk.order_keys(part, topk),
+    seen = indexer_topk.shared_counts_torch(part) if splits > 1 else None
+    same = all(torch.equal(a, b) for a, b in zip(indexer_topk.order_keys(part, topk, seen),
                                                    indexer_topk.order_keys_torch(part, topk)))
     return {"rows": rows, "splits": splits, "topk": topk, "keys_per_row": splits * width, "same": same,
-            "triton_ms": do_bench_cudagraph(lambda: indexer_topk.order_keys(part, topk), return_mode="median"),
+            "triton_ms": do_bench_cudagraph(lambda: indexer_topk.order_keys(part, topk, seen), return_mode="median"),
             "torch_ms": do_bench_cudagraph(lambda: indexer_topk.order_keys_torch(part, topk), return_mode="median")}
 
 

@@ -538,6 +538,17 @@ def encode_keys_torch(scores: torch.Tensor, positions: torch.Tensor) -> torch.Te
     return (ordered << 32) | (0x7FFFFFFF - positions.long())
 
 
+def shared_counts_torch(part: torch.Tensor, bits: int = SHARED_BAR_BITS) -> torch.Tensor:
+    """Keys [R, ...] (NONE where none) -> [R, 2^bits] int32: each row's real keys counted once
+    by their top bits, a `seen` for order_keys like the scoring kernel's shared histogram
+    (which also counts keys a program later let go)."""
+    keys = part.reshape(part.shape[0], -1)
+    none = torch.iinfo(torch.int64).min
+    bins = ((keys ^ none) >> (64 - bits)) & ((1 << bits) - 1)
+    seen = torch.zeros(keys.shape[0], 1 << bits, dtype=torch.int32, device=keys.device)
+    return seen.scatter_add_(1, bins, (keys != none).to(torch.int32))
+
+
 def by_position(idx: torch.Tensor, scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """A Top-K [R, K] (-1 / -inf padded) in the kernels' order: ascending position, padding last."""
     order = torch.where(idx >= 0, idx.long(), torch.iinfo(torch.int64).max).argsort(dim=1)

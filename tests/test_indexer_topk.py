@@ -211,6 +211,12 @@ def test_a_rows_programs_share_a_bar_and_stay_exact(monkeypatch, order):
             torch.zeros(1, dtype=torch.int32), torch.tensor([L], dtype=torch.int32))
     args = tuple(a.to(DEVICE) for a in args)
     handed = _count_handed_keys(monkeypatch)
+    handed_over, order_keys = [], _module.order_keys
+
+    def spy(part, topk, seen=None):
+        handed_over.append((part.clone(), seen))
+        return order_keys(part, topk, seen)
+    monkeypatch.setattr(_module, "order_keys", spy)
     ref_idx, ref_scores = indexer_topk_torch(*args, K, return_scores=True)
     for bits in (0, _module.SHARED_BAR_BITS):
         monkeypatch.setattr(_module, "SHARED_BAR_BITS", bits)
@@ -220,6 +226,11 @@ def test_a_rows_programs_share_a_bar_and_stay_exact(monkeypatch, order):
     assert alone == 8 * K  # 8 splits, each its own Top-KP
     if order == "random":
         assert shared < 2 * K
+    # The histogram counts every key the splits hand over (and the ones they let go), each a
+    # position of the row: shared_counts_torch's count of the handed keys is a lower bound.
+    part, seen = handed_over[1]
+    assert handed_over[0][1] is None and bool((seen.cpu() >= _module.shared_counts_torch(part.cpu())).all())
+    assert int(seen.sum()) <= L
 
 
 @pytest.mark.parametrize("programs", [1, 4, 64])
@@ -348,7 +359,7 @@ def test_order_keys_drops_only_keys_below_the_rows_bar(scores, counted, topk, mo
         keys = _module.encode_keys_torch(s, torch.randperm(1000, generator=g)[:real].sort().values)
         part[r, torch.randperm(splits * kp, generator=g)[:real].sort().values] = keys
         counted_keys = {"every key": keys, "half the keys": keys[::2], "none": keys[:0]}[counted]
-        seen[r] = torch.bincount(((counted_keys ^ none) >> (64 - bits)) & ((1 << bits) - 1), minlength=1 << bits)
+        seen[r] = _module.shared_counts_torch(counted_keys.view(1, -1), bits)[0]
     part = part.reshape(rows, splits, kp)
     ref_idx, ref_scores = _module.order_keys_torch(part, topk)
     handed = _count_handed_keys(monkeypatch)
