@@ -124,6 +124,13 @@ def cases():
     out.append(("indexer_breakdown[scoring,mxfp8]", lambda: indexer_breakdown.scoring_launch(
         qd, w, kd, table.expand(rows, hist).contiguous(), row_len, 2048, programs=264, q_scale=qs, k_scale=ks)()))
     out.append(("indexer_breakdown[merge]", lambda: indexer_breakdown.merge_launch(2048, 264, 2, "cpu")()))
+    # benchmarks/indexer_timeline.py's copy of the kernel, with its timer reads (anchored in its source).
+    import indexer_timeline
+    timed = indexer_timeline.load_timed()
+    timed.TIMELINE = torch.zeros(64, 5, dtype=torch.int64)
+    out.append(("indexer_timeline[decode,bf16,shared bar]", lambda: timed.indexer_topk(
+        q, w, long_k, long_table.expand(rows, -1).contiguous(), torch.arange(rows, dtype=torch.int32), row_len + hist,
+        2048, programs=2 * rows)))
     return out
 
 

@@ -37,7 +37,8 @@ def reports():
 
 CASES = [f"indexer_topk[{kind},{dtype}]" for kind in ("decode", "extend") for dtype in ("bf16", "mxfp8")] + [
     "indexer_topk[tree verify,bf16]", "order_keys[32 chunks]", "sparse_mla[bf16]", "sparse_mla[fp8]", "sparse_mla[bf16,split]", "sparse_mla[fp8,split]", "quantize_mxfp8", "store_mxfp8", "store_kv_fp8",
-    "indexer_breakdown[scoring]", "indexer_breakdown[scoring,mxfp8]", "indexer_breakdown[merge]"]
+    "indexer_breakdown[scoring]", "indexer_breakdown[scoring,mxfp8]", "indexer_breakdown[merge]",
+    "indexer_timeline[decode,bf16,shared bar]"]
 
 
 @pytest.mark.parametrize("case", CASES)
