@@ -326,11 +326,11 @@ MIN_SPLIT_TILES = 4
 def _split_len(history: int, programs: int, target: int, block_s: int) -> int:
     """Positions per split: as many splits as keep the programs within `target` (one wave:
     a second, partial wave costs as much as the first), each a whole number of tiles and
-    at least MIN_SPLIT_TILES of them. A split shorter than KP hands all its keys to the
-    ordering, which then reads the whole history, as one of KP does: so a few long rows
-    spread over the GPU instead of a few programs each scoring KP positions. From the table
+    at least MIN_SPLIT_TILES of them. A split shorter than KP hands over all its keys, and
+    the ordering's keep launch drops all but about K of the row's at its shared bar: so a few
+    long rows spread over the GPU instead of a few programs each scoring KP positions. From the table
     width, not the lengths, so it is the same in every replay of a CUDA graph. (Splits capped
-    at KP, for more programs and no merges, lost 15-30% at 8 x 128K - 64 x 128K: each program
+    at KP, for more programs and no merges, lost 19-30% at 8 x 128K - 64 x 128K: each program
     costs about 20 us beyond its positions. H100, run 87.)"""
     splits = min(triton.cdiv(history, MIN_SPLIT_TILES * block_s), max(1, target // programs))
     return triton.cdiv(triton.cdiv(history, splits), block_s) * block_s
