@@ -9,12 +9,13 @@ also stores, per program, the SM it ran on and %globaltimer (ns) at four points:
 - start: its first instruction;
 - queries: its queries and head weights in registers;
 - loop: its last tile scored (the running Top-KP and the candidates in hand);
-- end: its final merge written.
+- end: its final merge done (its stores issued).
 
 and reports, over the programs of one launch (after warm-up, eager): how far apart they
-start and end (the wave's ramp and its uneven end), and the median and spread of each
-phase; and the whole indexer's time with and without the timer reads. The copy is made by inserting the timer reads at fixed anchors of the kernel's source;
-an anchor that is gone fails loudly, so the script follows the kernel or says it must.
+start and end (the wave's ramp and its uneven end), the median and spread of each phase,
+and the whole indexer's time with and without the timer reads. The copy is made by
+inserting the timer reads at fixed anchors of the kernel's source; an anchor that is gone
+fails loudly, so the script follows the kernel or says it must.
 
     python benchmarks/indexer_timeline.py --case decode:8x131072 --case decode:64x131072 --out $OUT/timeline.json
 """
@@ -22,7 +23,6 @@ an anchor that is gone fails loudly, so the script follows the kernel or says it
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import sys
@@ -32,6 +32,7 @@ import torch
 from triton.testing import do_bench_cudagraph
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from indexer_variants import load_variant  # noqa: E402
 from sparse_path_timing import D, HI, TOPK, paged_history, parse_case  # noqa: E402
 
 KERNEL = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "kernels", "indexer_topk.py")
@@ -75,12 +76,10 @@ def timed_source(src: str) -> str:
 
 
 def load_timed():
+    """The timed copy, loaded as its own module."""
     with tempfile.NamedTemporaryFile("w", suffix="_indexer_topk_timed.py", delete=False) as f:
         f.write(timed_source(open(KERNEL).read()))
-    spec = importlib.util.spec_from_file_location("indexer_topk_timed", f.name)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_variant(f"timed={f.name}")[1]
 
 
 def summary(timeline: torch.Tensor) -> dict:
