@@ -277,7 +277,9 @@ def _indexer_topk_kernel(
                          offs_d, tail0, tail_bits, tail_skip, NONE, D, BLOCK_M, BLOCK_H, BLOCK_S, GROUP, DOT_DTYPE,
                          TREE)
         beats = key > bar[:, None]
-        if tl.max(tl.max(beats.to(tl.int32), axis=1), axis=0) > 0:  # late in a history, most tiles add nothing
+        # Late in a history most tiles add nothing, and skipping them pays: appending every tile
+        # (no check) was 7-9% slower at 1M+ keys (H100, run 92).
+        if tl.max(tl.max(beats.to(tl.int32), axis=1), axis=0) > 0:
             if SHARED_BITS:  # counted for the row's other programs (see _shared_bar)
                 tl.atomic_add(seen_ptr + rows[:, None] * (1 << SHARED_BITS) + _digit(key, 64 - SHARED_BITS, SHARED_BITS),
                               beats.to(tl.int32), mask=beats, sem="relaxed")
@@ -315,7 +317,8 @@ def _row_blocks(row_req: torch.Tensor, block_m: int) -> tuple[torch.Tensor, torc
 # their top SHARED_BAR_BITS bits (the score's sign, exponent and leading mantissa bits) in a
 # histogram of the row's, and from it takes a key that KP of the row's keys already beat
 # (_shared_bar). A program alone finds its KP-th best only after KP positions, and on short
-# splits that is most of its split; with the row's counts the bar rises after a tile.
+# splits that is most of its split; with the row's counts the bar rises after a tile. (10 bits
+# doubled the select; 12 tied, its finer bar paid for by its reads; 13 lost 20-40 us: runs 92-93.)
 SHARED_BAR_BITS = 11
 
 # The fewest tiles a split of the history gets: below it a program's fixed work (its
@@ -484,8 +487,10 @@ def _chunk_write_kernel(part_ptr, bound_ptr, need_ptr, before_ptr, idx_ptr, scor
         tl.store(score_ptr + row * TOPK + s, tl.full([BLOCK], float("-inf"), tl.float32), mask=pad)
 
 
-# Keys per loop step of the select: [chunks, SELECT_KEYS // chunks]. (2048 and 4096, fewer and
-# wider steps, lost 1-7 us at one row and tied elsewhere in the six-launch ordering: H100, run 77.)
+# Keys per loop step of the select: [chunks, SELECT_KEYS // chunks]. (512, 2048 and 4096 lost up
+# to 7 us or tied, in the six-launch ordering and in the three-launch one: H100, runs 77 and 90.
+# Holding all of a row's kept keys in registers, a histogram over them each round, lost 7-11 us:
+# run 91.)
 SELECT_KEYS = 1024
 
 # Keys per program of the keep and write launches.
