@@ -1,15 +1,15 @@
 """When each program of the fused indexer's scoring kernel starts, loads its queries, ends its
 tile loop and ends: where a program's time beyond its positions goes (GPU only).
 
-At 8 x 128K the scoring kernel's 256 programs each take about 21 us beyond their 4096
+At 8 x 128K the scoring kernel's 256 programs each took about 21 us beyond their 4096
 positions (sparse_path_timing.md, run 87), and removing the final merge did not change the
-kernel's time (run 88). This loads a copy of kernels/indexer_topk.py whose scoring kernel
+kernel's time (run 88); run 90's timeline put about 18 us of it in the tile loop. This loads a copy of kernels/indexer_topk.py whose scoring kernel
 also stores, per program, the SM it ran on and %globaltimer (ns) at four points:
 
 - start: its first instruction;
 - queries: its queries and head weights in registers;
 - loop: its last tile scored (the running Top-KP and the candidates in hand);
-- end: its final merge done (its stores issued).
+- end: its final merge done, or on splits too short to merge, its padding (stores issued).
 
 and reports, over the programs of one launch (after warm-up, eager): how far apart they
 start and end (the wave's ramp and its uneven end), the median and spread of each phase,
@@ -52,12 +52,12 @@ _EDITS = [
      f"    t_queries = {_T} + (tl.sum(tl.sum(q.to(tl.float32), axis=1), axis=0)\n"
      "                        + tl.sum(tl.sum(w, axis=1), axis=0) == -1.0).to(tl.int64)\n"
      "    NONE: tl.constexpr = -9223372036854775807 - 1\n    offs_2k = tl.arange(0, 2 * KP)\n"),
-    ("    # The split's best min(KP, SPLIT_LEN) keys, by position; order_keys selects across splits.\n",
+    ("    if IN_PLACE:  # no merge:",
      f"    t_loop = {_T} + (tl.max(bar, axis=0) + tl.max(count, axis=0) == 1).to(tl.int64)\n"
-     "    # The split's best min(KP, SPLIT_LEN) keys, by position; order_keys selects across splits.\n"),
-    ("    _merge_candidates(buf, part, held, count, offs_2k, width, NONE, KP, GPU)\n\n\ndef _row_blocks",
-     "    done, _, _ = _merge_candidates(buf, part, held, count, offs_2k, width, NONE, KP, GPU)\n"
-     f"    t_end = {_T} + (tl.max(done, axis=0) == -1).to(tl.int64)\n"
+     "    if IN_PLACE:  # no merge:"),
+    ("        _merge_candidates(buf, part, held, count, offs_2k, width, NONE, KP, GPU)\n\n\ndef _row_blocks",
+     "        held, _, _ = _merge_candidates(buf, part, held, count, offs_2k, width, NONE, KP, GPU)\n"
+     f"    t_end = {_T} + (tl.max(held, axis=0) + tl.max(count, axis=0) == -1).to(tl.int64)\n"
      "    at = timeline_ptr + (tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)) * 5\n"
      "    tl.store(at, t_start)\n    tl.store(at + 1, t_queries)\n    tl.store(at + 2, t_loop)\n"
      "    tl.store(at + 3, t_end)\n    tl.store(at + 4, _tl_cuda.smid().to(tl.int64))\n\n\ndef _row_blocks"),

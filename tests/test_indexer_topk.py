@@ -249,6 +249,41 @@ def test_splits_shorter_than_k_share_the_bar_too(monkeypatch, programs):
     _assert_match_up_to_near_ties(idx, scores, ref_idx, ref_scores)
 
 
+class _PoisonedTorch:
+    """torch, except that an int64 torch.empty comes back full of a key that would win any
+    selection (the best score at position 0): a slot a kernel reads before writing shows."""
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+    @staticmethod
+    def empty(*size, dtype=None, device=None):
+        size = tuple(size[0]) if len(size) == 1 and isinstance(size[0], (tuple, list, torch.Size)) else size
+        if dtype != torch.int64:
+            return torch.empty(size, dtype=dtype, device=device)
+        best = _module.encode_keys_torch(torch.tensor([3.0e38]), torch.tensor([0]))
+        return torch.full(size, int(best), dtype=dtype, device=device)
+
+
+@pytest.mark.parametrize("programs", [1, 64])
+def test_splits_too_short_to_merge_write_their_keys_in_place(programs, monkeypatch):
+    """At programs=64 every split (64 positions) is shorter than KP - block_s (K = 100, KP 128,
+    tiles of 16), so its keys go straight to the ordering's input and no merge runs; at
+    programs=1 the whole history merges in one program. Both select the reference's set on
+    exact ties, for a causal prefill chunk in blocks of 4 rows (the second block half past its
+    request's rows) and a decode row of another request alone in its block, with every
+    int64 buffer allocated full of a key that would win: each slot read was written."""
+    lens, reqs, K = [500, 501, 502, 503, 504, 505, 300], [0, 0, 0, 0, 0, 0, 1], 100
+    args = _case(lens, reqs, 4, 16, 505, integer=True, dtype=torch.float32)
+    monkeypatch.setattr(_module, "torch", _PoisonedTorch())
+    if programs == 64:
+        assert _module._split_len(505, 3, programs, 16) <= 128 - 16  # the in-place path runs
+    idx, scores = indexer_topk(*args, K, return_scores=True, block_s=16, block_m=4, programs=programs)
+    ref_idx, ref_scores = indexer_topk_torch(*args, K, return_scores=True)
+    assert torch.equal(idx.cpu(), ref_idx.cpu())
+    assert torch.equal(scores.cpu(), ref_scores.cpu())
+
+
 @pytest.mark.parametrize("order", ["rising", "falling"])
 @pytest.mark.parametrize("block_m", [1, 2])
 def test_histories_that_only_rise_or_only_fall(order, block_m):
