@@ -33,7 +33,9 @@ merged: a threshold that exactly KP of them reach is found two bits a pass from 
 (one block-wide count per pass, stopping once the KP-th best is separated from the next;
 no sort) and the keys that reach it kept, in the order they came. Over n positions in
 random order about KP (1 + ln(n / KP)) keys ever beat the bar, so a program merges a few
-times; a history that only rises merges every KP positions, never gives a wrong answer. The
+times; a history that only rises merges every KP positions, never gives a wrong answer. A
+split too short to fill the buffer (at most KP - block_s positions) never merges: its keys go
+straight to the ordering's input (1 x 32K: 14 us of scoring, 21 with the final merge, run 94). The
 kernel writes each program's KP keys unsorted (run 19: Triton's sort of 4096 keys took
 113 us per merge, three quarters of the kernel's time at 64 x 128K; the scoring loop
 alone ran at 93% of copy bandwidth); each merge keeps its keys in the order they came,
