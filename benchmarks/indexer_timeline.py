@@ -3,8 +3,9 @@ tile loop and ends: where a program's time beyond its positions goes (GPU only).
 
 At 8 x 128K the scoring kernel's 256 programs each took about 21 us beyond their 4096
 positions (sparse_path_timing.md, run 87), and removing the final merge did not change the
-kernel's time (run 88); run 90's timeline put about 18 us of it in the tile loop. This loads a copy of kernels/indexer_topk.py whose scoring kernel
-also stores, per program, the SM it ran on and %globaltimer (ns) at four points:
+kernel's time (run 88); this timeline put about 18 us of it in the tile loop (run 90). It
+loads a copy of kernels/indexer_topk.py whose scoring kernel also stores, per program, the SM
+it ran on and %globaltimer (ns) at four points:
 
 - start: its first instruction;
 - queries: its queries and head weights in registers;
