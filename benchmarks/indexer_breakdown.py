@@ -121,7 +121,9 @@ def merge_us(topk: int, num_warps: int = 4, reps: int = 64) -> float:
 def merges_per_program(scores: torch.Tensor, topk: int, split_len: int, block_s: int = 128) -> list[int]:
     """indexer_topk's merge count over one row's scores [history] for split 0 and the last
     split: a tile's keys that beat the running KP-th best join the buffer; a merge when the
-    buffer holds more than KP - block_s. Ties are ignored (random fp32 scores)."""
+    buffer holds more than KP - block_s. Ties are ignored (random fp32 scores). The bar the
+    row's splits share (_shared_bar) is not replayed, so where the history is split this is
+    an upper bound: the shared bar lets fewer keys in."""
     kp = triton.next_power_of_2(topk)
     counts = []
     for lo in sorted({0, (scores.numel() - 1) // split_len * split_len}):
