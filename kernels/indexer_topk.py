@@ -150,6 +150,16 @@ def _after_barrier(x, GPU: tl.constexpr):
 
 
 @triton.jit
+def _one_a_thread(offs):
+    """offs, which the compiler can no longer prove contiguous (an xor with a 0 it cannot see),
+    so a load or store through them moves one element a thread, as the scattered stores that
+    pack keys do. A vector-wide load beside such a store puts the two in different layouts,
+    and every tensor between them then crosses threads through shared memory (a barrier each
+    time); in one layout the select's pack steps have none (sm_90 PTX, tests/compile_for_sm90.py)."""
+    return offs ^ (tl.program_id(0) >> 31)
+
+
+@triton.jit
 def _top_threshold(keys, KP: tl.constexpr):
     """Per row of keys [BLOCK_M, N] (NONE, the int64 minimum, where there is none), a
     threshold t with exactly KP keys >= t (all real keys when there are at most KP; t is
@@ -390,10 +400,12 @@ def _boundary(hist, rest, BINS: tl.constexpr = 256):
     how many are above it, and whether d's candidates end exactly at the rest-th (then the
     select ends with them)."""
     bins = tl.arange(0, BINS)
-    ge = tl.sum(hist) - tl.cumsum(hist, 0) + hist  # candidates on this digit or above
-    d = tl.max(tl.where(ge >= rest, bins, -1))
-    above = tl.sum(tl.where(bins > d, hist, 0))
-    return d, above, above + tl.sum(tl.where(bins == d, hist, 0)) == rest
+    ge = tl.cumsum(hist, 0, reverse=True)  # candidates on this digit or above: falls as the digit rises
+    # So the highest digit with rest or more on or above it has the fewest of those (one reduction
+    # finds both), and the digits above it are those with fewer than rest, the most of them on d + 1.
+    d_ge = tl.max(tl.where(ge >= rest, (bins.to(tl.int64) << 32) | (0x7FFFFFFF - ge), -1))
+    above = tl.max(tl.where(ge < rest, ge, 0))
+    return (d_ge >> 32).to(tl.int32), above, 0x7FFFFFFF - (d_ge & 0xFFFFFFFF) == rest
 
 
 @triton.jit
@@ -415,7 +427,7 @@ def _chunk_keep_kernel(part_ptr, kept_ptr, stats_ptr, seen_ptr, first_ptr, bar_b
     NONE: tl.constexpr = -9223372036854775807 - 1
     row, c = tl.program_id(0).to(tl.int64), tl.program_id(1)
     offs = c * BLOCK + tl.arange(0, BLOCK)
-    key = tl.load(part_ptr + row * N + offs, mask=offs < N, other=NONE)
+    key = tl.load(part_ptr + row * N + _one_a_thread(offs), mask=offs < N, other=NONE)  # as they are stored
     keep = key != NONE
     if SEEN_BITS:
         one = tl.full([1], 1, tl.int1)
@@ -434,11 +446,13 @@ def _chunk_keep_kernel(part_ptr, kept_ptr, stats_ptr, seen_ptr, first_ptr, bar_b
 
 @triton.jit
 def _packed(src, count, o, CHUNK: tl.constexpr, C_POW2: tl.constexpr, W: tl.constexpr):
-    """Keys o..o + W of each chunk's packed keys src[c * CHUNK:][:count[c]]: [C_POW2, W], and
-    which are there. Through L2 (.cg): the select's threads read what the others stored."""
+    """Keys o..o + W of each chunk's packed keys src[c * CHUNK:][:count[c]]: [W, C_POW2], and
+    which are there. Through L2 (.cg): the select's threads read what the others stored.
+    One key a thread, a chunk's keys along the lanes (_one_a_thread): the layout of the
+    scattered store that packs them, and a chunk's cumsum and count stay within a warp."""
     j = o + tl.arange(0, W)
-    there = j[None, :] < count[:, None]
-    key = tl.load(src + tl.arange(0, C_POW2)[:, None] * CHUNK + j[None, :], mask=there, other=0,
+    there = j[:, None] < count[None, :]
+    key = tl.load(src + _one_a_thread(j)[:, None] + tl.arange(0, C_POW2)[None, :] * CHUNK, mask=there, other=0,
                   cache_modifier=".cg")
     return key, there
 
@@ -454,6 +468,8 @@ def _split_round(src, count, d, last, shift, b, bound, top, FIRST: tl.constexpr,
     LARGEST: tl.constexpr = 9223372036854775807
     chunks = tl.arange(0, C_POW2)
     kept = tl.zeros([C_POW2], tl.int32)
+    low = tl.full([W, C_POW2], LARGEST, tl.int64)  # reduced once a round, not once a step
+    ups = tl.zeros([W, C_POW2], tl.int32)
     for o in range(0, tl.max(count, axis=0), W):
         key, there = _packed(src, count, o, CHUNK, C_POW2, W)
         if FIRST:
@@ -462,13 +478,15 @@ def _split_round(src, count, d, last, shift, b, bound, top, FIRST: tl.constexpr,
             digit = _digit(key, shift)
         up = there & ((digit > d) | (last & (digit == d)))
         on = there & (digit == d) & ~last
-        bound = tl.minimum(bound, tl.min(tl.min(tl.where(up, key, LARGEST), axis=1), axis=0))
-        top += tl.sum(up.to(tl.int32), axis=1)
+        low = tl.minimum(low, tl.where(up, key, LARGEST))
+        ups += up.to(tl.int32)
         # In place: a key moves to or before where it was read in its chunk (the cumsum
         # waits for the loads of the keys before it).
-        at_on = kept[:, None] + tl.cumsum(on.to(tl.int32), axis=1) - 1
-        tl.store(src + chunks[:, None] * CHUNK + at_on, key, mask=on)
-        kept += tl.sum(on.to(tl.int32), axis=1)
+        at_on = kept[None, :] + tl.cumsum(on.to(tl.int32), axis=0) - 1
+        tl.store(src + chunks[None, :] * CHUNK + at_on, key, mask=on)
+        kept += tl.sum(on.to(tl.int32), axis=0)
+    bound = tl.minimum(bound, tl.min(tl.min(low, axis=0), axis=0))
+    top += tl.sum(ups, axis=0)
     # The next round reads what other threads stored: after a barrier.
     total = tl.max(_after_barrier(tl.sum(kept) + tl.zeros([1], tl.int32), GPU), axis=0)
     return tl.where(total >= 0, kept, 0), bound, top
@@ -540,7 +558,7 @@ def _chunk_write_kernel(part_ptr, bound_ptr, need_ptr, before_ptr, idx_ptr, scor
     C = tl.num_programs(1)
     need = tl.load(need_ptr + row)
     offs = c * BLOCK + tl.arange(0, BLOCK)
-    key = tl.load(part_ptr + row * N + offs, mask=offs < N, other=-9223372036854775807 - 1)
+    key = tl.load(part_ptr + row * N + _one_a_thread(offs), mask=offs < N, other=-9223372036854775807 - 1)
     top = (key >= tl.load(bound_ptr + row)) & (need > 0)
     at = row * TOPK + tl.load(before_ptr + row * C + c) + tl.cumsum(top.to(tl.int32), 0) - 1
     ordered = (key >> 32).to(tl.int32)
@@ -548,7 +566,7 @@ def _chunk_write_kernel(part_ptr, bound_ptr, need_ptr, before_ptr, idx_ptr, scor
     tl.store(idx_ptr + at, (0x7FFFFFFF - (key & 0xFFFFFFFF)).to(tl.int32), mask=top)
     tl.store(score_ptr + at, score, mask=top)
     for s0 in range(c * BLOCK, TOPK, C * BLOCK):
-        s = s0 + tl.arange(0, BLOCK)
+        s = s0 + _one_a_thread(tl.arange(0, BLOCK))  # the layout of the stores above
         pad = (s >= need) & (s < TOPK)
         tl.store(idx_ptr + row * TOPK + s, tl.full([BLOCK], -1, tl.int32), mask=pad)
         tl.store(score_ptr + row * TOPK + s, tl.full([BLOCK], float("-inf"), tl.float32), mask=pad)
