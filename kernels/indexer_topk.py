@@ -150,6 +150,16 @@ def _after_barrier(x, GPU: tl.constexpr):
 
 
 @triton.jit
+def _one_a_thread(offs):
+    """offs, which the compiler can no longer prove contiguous (an xor with a 0 it cannot see),
+    so a load or store through them moves one element a thread, as the scattered stores that
+    pack keys do. A vector-wide load beside such a store puts the two in different layouts,
+    and every tensor between them then crosses threads through shared memory (a barrier each
+    time); in one layout the select's pack steps have none (sm_90 PTX, tests/compile_for_sm90.py)."""
+    return offs ^ (tl.program_id(0) >> 31)
+
+
+@triton.jit
 def _top_threshold(keys, KP: tl.constexpr):
     """Per row of keys [BLOCK_M, N] (NONE, the int64 minimum, where there is none), a
     threshold t with exactly KP keys >= t (all real keys when there are at most KP; t is
@@ -208,20 +218,32 @@ def _merge_candidates(buf, dst, held, count, offs_2k, width, NONE: tl.constexpr,
 
 
 @triton.jit
-def _shared_bar(seen_ptr, rows, live, KP, BITS: tl.constexpr):
-    """Per row of the block, a key that at least KP of the row's keys beat, from the counts the
-    row's programs have added so far to seen [rows, 2^BITS] (keys by their top BITS bits): one
-    below the smallest key of the highest bin with KP counted at or above it (NONE while there
-    is none). Every count is a key that exists, so a partial sum of them never overstates:
-    the bound holds whatever the other programs have added by the time of the load."""
-    NONE: tl.constexpr = -9223372036854775807 - 1
+def _bar_bin(seen_ptr, rows, live, KP, BITS: tl.constexpr):
+    """Per row of the block, the highest bin of seen [rows, 2^BITS] (keys by their top BITS
+    bits) with KP counted at or above it, from the counts the row's programs have added so
+    far (-1 while there is none). Every count is a key that exists, so a partial sum of them
+    never overstates: KP of the row's keys are in that bin or above whatever the other
+    programs have added by the time of the load."""
     BINS: tl.constexpr = 1 << BITS
     bins = tl.arange(0, BINS)
     seen = tl.load(seen_ptr + rows[:, None] * BINS + bins[None, :], mask=live[:, None], other=0,
                    cache_modifier=".cg")  # the atomics' values, in L2
     at_or_above = tl.sum(seen, axis=1)[:, None] - tl.cumsum(seen, axis=1) + seen
-    b = tl.max(tl.where(at_or_above >= KP, bins[None, :], -1), axis=1).to(tl.int64)
+    return tl.max(tl.where(at_or_above >= KP, bins[None, :], -1), axis=1).to(tl.int64)
+
+
+@triton.jit
+def _bin_bar(b, BITS: tl.constexpr):
+    """The largest key below bin b (of keys by their top BITS bits): every key of bin b and above
+    beats it (NONE where b is 0 or none)."""
+    NONE: tl.constexpr = -9223372036854775807 - 1
     return tl.where(b > 0, ((b << (64 - BITS)) ^ NONE) - 1, NONE)
+
+
+@triton.jit
+def _shared_bar(seen_ptr, rows, live, KP, BITS: tl.constexpr):
+    """Per row of the block, a key that at least KP of the row's keys beat (_bar_bin, _bin_bar)."""
+    return _bin_bar(_bar_bin(seen_ptr, rows, live, KP, BITS), BITS)
 
 
 @triton.jit
@@ -378,26 +400,43 @@ def _boundary(hist, rest, BINS: tl.constexpr = 256):
     how many are above it, and whether d's candidates end exactly at the rest-th (then the
     select ends with them)."""
     bins = tl.arange(0, BINS)
-    ge = tl.sum(hist) - tl.cumsum(hist, 0) + hist  # candidates on this digit or above
-    d = tl.max(tl.where(ge >= rest, bins, -1))
-    above = tl.sum(tl.where(bins > d, hist, 0))
-    return d, above, above + tl.sum(tl.where(bins == d, hist, 0)) == rest
+    ge = tl.cumsum(hist, 0, reverse=True)  # candidates on this digit or above: falls as the digit rises
+    # So the highest digit with rest or more on or above it has the fewest of those (one reduction
+    # finds both), and the digits above it are those with fewer than rest, the most of them on d + 1.
+    d_ge = tl.max(tl.where(ge >= rest, (bins.to(tl.int64) << 32) | (0x7FFFFFFF - ge), -1))
+    above = tl.max(tl.where(ge < rest, ge, 0))
+    return (d_ge >> 32).to(tl.int32), above, 0x7FFFFFFF - (d_ge & 0xFFFFFFFF) == rest
 
 
 @triton.jit
-def _chunk_keep_kernel(part_ptr, kept_ptr, stats_ptr, seen_ptr, N, TOPK, BLOCK: tl.constexpr,
-                       SEEN_BITS: tl.constexpr):
+def _first_digit(key, b, BITS: tl.constexpr):
+    """The select's first digit where the keep launch counts it: 256 for a key above bar bin b
+    (of keys by their top BITS bits; every key kept is in b or above), else the 8 bits below
+    its bin's."""
+    return tl.where(_digit(key, 64 - BITS, BITS) > b, 256, _digit(key, 64 - BITS - 8))
+
+
+@triton.jit
+def _chunk_keep_kernel(part_ptr, kept_ptr, stats_ptr, seen_ptr, first_ptr, bar_bin_ptr, N, TOPK,
+                       BLOCK: tl.constexpr, SEEN_BITS: tl.constexpr):
     """Program (row, chunk): its real keys, less those at or below the bar the row's counts in
     seen give (_shared_bar at TOPK) with SEEN_BITS, packed in order at the front of the
-    chunk's span of kept; their count, maximum and minimum in stats."""
+    chunk's span of kept; their count, maximum and minimum in stats. With SEEN_BITS, also the
+    select's first round: the kept keys counted by _first_digit into the row's first [512]
+    (zeroed), and the bar's bin in bar_bin."""
     NONE: tl.constexpr = -9223372036854775807 - 1
     row, c = tl.program_id(0).to(tl.int64), tl.program_id(1)
     offs = c * BLOCK + tl.arange(0, BLOCK)
-    key = tl.load(part_ptr + row * N + offs, mask=offs < N, other=NONE)
+    key = tl.load(part_ptr + row * N + _one_a_thread(offs), mask=offs < N, other=NONE)  # as they are stored
     keep = key != NONE
     if SEEN_BITS:
         one = tl.full([1], 1, tl.int1)
-        keep &= key > tl.max(_shared_bar(seen_ptr, row + tl.zeros([1], tl.int64), one, TOPK, SEEN_BITS), axis=0)
+        b = tl.max(_bar_bin(seen_ptr, row + tl.zeros([1], tl.int64), one, TOPK, SEEN_BITS), axis=0)
+        keep &= key > _bin_bar(b, SEEN_BITS)
+        tl.atomic_add(first_ptr + row * 512 + _first_digit(key, b, SEEN_BITS), keep.to(tl.int32), mask=keep,
+                      sem="relaxed")
+        if c == 0:
+            tl.store(bar_bin_ptr + row, b)
     tl.store(kept_ptr + row * N + c * BLOCK + tl.cumsum(keep.to(tl.int32), 0) - 1, key, mask=keep)
     at = stats_ptr + (row * tl.num_programs(1) + c) * 3
     tl.store(at, tl.sum(keep.to(tl.int64)))
@@ -407,18 +446,56 @@ def _chunk_keep_kernel(part_ptr, kept_ptr, stats_ptr, seen_ptr, N, TOPK, BLOCK: 
 
 @triton.jit
 def _packed(src, count, o, CHUNK: tl.constexpr, C_POW2: tl.constexpr, W: tl.constexpr):
-    """Keys o..o + W of each chunk's packed keys src[c * CHUNK:][:count[c]]: [C_POW2, W], and
-    which are there. Through L2 (.cg): the select's threads read what the others stored."""
+    """Keys o..o + W of each chunk's packed keys src[c * CHUNK:][:count[c]]: [W, C_POW2], and
+    which are there. Through L2 (.cg): the select's threads read what the others stored.
+    One key a thread, a chunk's keys along the lanes (_one_a_thread): the layout of the
+    scattered store that packs them, and a chunk's cumsum and count stay within a warp."""
     j = o + tl.arange(0, W)
-    there = j[None, :] < count[:, None]
-    key = tl.load(src + tl.arange(0, C_POW2)[:, None] * CHUNK + j[None, :], mask=there, other=0,
+    there = j[:, None] < count[None, :]
+    key = tl.load(src + _one_a_thread(j)[:, None] + tl.arange(0, C_POW2)[None, :] * CHUNK, mask=there, other=0,
                   cache_modifier=".cg")
     return key, there
 
 
 @triton.jit
-def _select_kernel(kept_ptr, stats_ptr, bound_ptr, need_ptr, before_ptr, N, C, TOPK, CHUNK: tl.constexpr,
-                   C_POW2: tl.constexpr, W: tl.constexpr, GPU: tl.constexpr):
+def _split_round(src, count, d, last, shift, b, bound, top, FIRST: tl.constexpr, CHUNK: tl.constexpr,
+                 C_POW2: tl.constexpr, W: tl.constexpr, GPU: tl.constexpr):
+    """One round's pass over the candidates, given its boundary digit d: those above it (and on
+    it, in the last round) are in the Top-K (the bound falls to their smallest, each chunk's
+    count in top rises); those on it stay, packed at the front of their chunk's span. The
+    digit is _first_digit (bar bin b) with FIRST = its bits, else the 8 bits from `shift`.
+    (the candidates' new counts, bound, top)"""
+    LARGEST: tl.constexpr = 9223372036854775807
+    chunks = tl.arange(0, C_POW2)
+    kept = tl.zeros([C_POW2], tl.int32)
+    low = tl.full([W, C_POW2], LARGEST, tl.int64)  # reduced once a round, not once a step
+    ups = tl.zeros([W, C_POW2], tl.int32)
+    for o in range(0, tl.max(count, axis=0), W):
+        key, there = _packed(src, count, o, CHUNK, C_POW2, W)
+        if FIRST:
+            digit = _first_digit(key, b, FIRST)
+        else:
+            digit = _digit(key, shift)
+        up = there & ((digit > d) | (last & (digit == d)))
+        on = there & (digit == d) & ~last
+        low = tl.minimum(low, tl.where(up, key, LARGEST))
+        ups += up.to(tl.int32)
+        # In place: a key moves to or before where it was read in its chunk (the cumsum
+        # waits for the loads of the keys before it).
+        at_on = kept[None, :] + tl.cumsum(on.to(tl.int32), axis=0) - 1
+        tl.store(src + chunks[None, :] * CHUNK + at_on, key, mask=on)
+        kept += tl.sum(on.to(tl.int32), axis=0)
+    bound = tl.minimum(bound, tl.min(tl.min(low, axis=0), axis=0))
+    top += tl.sum(ups, axis=0)
+    # The next round reads what other threads stored: after a barrier.
+    total = tl.max(_after_barrier(tl.sum(kept) + tl.zeros([1], tl.int32), GPU), axis=0)
+    return tl.where(total >= 0, kept, 0), bound, top
+
+
+@triton.jit
+def _select_kernel(kept_ptr, stats_ptr, first_ptr, bar_bin_ptr, bound_ptr, need_ptr, before_ptr, N, C, TOPK,
+                   CHUNK: tl.constexpr, C_POW2: tl.constexpr, W: tl.constexpr, FIRST_BITS: tl.constexpr,
+                   GPU: tl.constexpr):
     """One program per row: the bound of its Top-K, by a radix select over the keys its chunks
     kept, and how many keys at or above it come before each chunk's. A round histograms the
     candidates' digit (8 bits, from the highest bit on which the kept keys differ down);
@@ -426,7 +503,9 @@ def _select_kernel(kept_ptr, stats_ptr, bound_ptr, need_ptr, before_ptr, N, C, T
     those on it stay, packed at the front of their chunk's span; the round whose digit ends
     exactly at the need-th best takes that digit's keys too and is the last (keys are
     unique: one comes by bit 0). The bound is then the need-th best key itself, or the
-    largest key when need is 0."""
+    largest key when need is 0. With FIRST_BITS (the keep launch dropped keys below a bar
+    bin), the first round's histogram is the one the keep launch counted (_first_digit):
+    the keys above the bar's bin as one digit, those in it by their next 8 bits."""
     NONE: tl.constexpr = -9223372036854775807 - 1
     LARGEST: tl.constexpr = 9223372036854775807
     row = tl.program_id(0).to(tl.int64)
@@ -442,31 +521,26 @@ def _select_kernel(kept_ptr, stats_ptr, bound_ptr, need_ptr, before_ptr, N, C, T
     top = tl.zeros([C_POW2], tl.int32)  # each chunk's keys at or above the bound
     left = need
     going = left > 0
+    if FIRST_BITS:
+        b = tl.load(bar_bin_ptr + row)
+        d, above, last = _boundary(tl.load(first_ptr + row * 512 + tl.arange(0, 512)), left, 512)
+        count, bound, top = _split_round(src, count, d, last, shift, b, bound, top, FIRST_BITS, CHUNK, C_POW2, W,
+                                         GPU)
+        left -= above
+        going = going & (~last) & (left > 0)
+        # The candidates share their top FIRST_BITS + 8 bits; unless seen undercounted the
+        # keys above the bar's bin so that the boundary fell among them: then they share what
+        # all the kept keys share.
+        shift = tl.where(d < 256, 64 - FIRST_BITS - 8, shift).to(tl.int64)
     while going:
         shift -= 8  # the first round's digit: the top 8 of the bits on which the kept keys differ
-        longest = tl.max(count, axis=0)
         hist = tl.zeros([256], tl.int32)
-        for o in range(0, longest, W):
+        for o in range(0, tl.max(count, axis=0), W):
             key, there = _packed(src, count, o, CHUNK, C_POW2, W)
             hist += tl.histogram(tl.reshape(_digit(key, shift), [C_POW2 * W]).to(tl.int32), 256,
                                  mask=tl.reshape(there, [C_POW2 * W]))
         d, above, last = _boundary(hist, left)
-        kept = tl.zeros([C_POW2], tl.int32)
-        for o in range(0, longest, W):
-            key, there = _packed(src, count, o, CHUNK, C_POW2, W)
-            digit = _digit(key, shift)
-            up = there & ((digit > d) | (last & (digit == d)))
-            on = there & (digit == d) & ~last
-            bound = tl.minimum(bound, tl.min(tl.min(tl.where(up, key, LARGEST), axis=1), axis=0))
-            top += tl.sum(up.to(tl.int32), axis=1)
-            # In place: a key moves to or before where it was read in its chunk (the cumsum
-            # waits for the loads of the keys before it).
-            at_on = kept[:, None] + tl.cumsum(on.to(tl.int32), axis=1) - 1
-            tl.store(src + chunks[:, None] * CHUNK + at_on, key, mask=on)
-            kept += tl.sum(on.to(tl.int32), axis=1)
-        # The next round reads what other threads stored: after a barrier.
-        total = tl.max(_after_barrier(tl.sum(kept) + tl.zeros([1], tl.int32), GPU), axis=0)
-        count = tl.where(total >= 0, kept, 0)
+        count, bound, top = _split_round(src, count, d, last, shift, shift, bound, top, 0, CHUNK, C_POW2, W, GPU)
         left -= above
         going = (~last) & (left > 0) & (shift > -8)
     tl.store(bound_ptr + row, bound)
@@ -484,7 +558,7 @@ def _chunk_write_kernel(part_ptr, bound_ptr, need_ptr, before_ptr, idx_ptr, scor
     C = tl.num_programs(1)
     need = tl.load(need_ptr + row)
     offs = c * BLOCK + tl.arange(0, BLOCK)
-    key = tl.load(part_ptr + row * N + offs, mask=offs < N, other=-9223372036854775807 - 1)
+    key = tl.load(part_ptr + row * N + _one_a_thread(offs), mask=offs < N, other=-9223372036854775807 - 1)
     top = (key >= tl.load(bound_ptr + row)) & (need > 0)
     at = row * TOPK + tl.load(before_ptr + row * C + c) + tl.cumsum(top.to(tl.int32), 0) - 1
     ordered = (key >> 32).to(tl.int32)
@@ -492,7 +566,7 @@ def _chunk_write_kernel(part_ptr, bound_ptr, need_ptr, before_ptr, idx_ptr, scor
     tl.store(idx_ptr + at, (0x7FFFFFFF - (key & 0xFFFFFFFF)).to(tl.int32), mask=top)
     tl.store(score_ptr + at, score, mask=top)
     for s0 in range(c * BLOCK, TOPK, C * BLOCK):
-        s = s0 + tl.arange(0, BLOCK)
+        s = s0 + _one_a_thread(tl.arange(0, BLOCK))  # the layout of the stores above
         pad = (s >= need) & (s < TOPK)
         tl.store(idx_ptr + row * TOPK + s, tl.full([BLOCK], -1, tl.int32), mask=pad)
         tl.store(score_ptr + row * TOPK + s, tl.full([BLOCK], float("-inf"), tl.float32), mask=pad)
@@ -538,11 +612,14 @@ def order_keys(part: torch.Tensor, topk: int, seen: torch.Tensor | None = None) 
     need = torch.empty(R, dtype=torch.int32, device=part.device)
     before = torch.empty(R, C, dtype=torch.int32, device=part.device)
     seen_bits = 0 if seen is None else seen.shape[1].bit_length() - 1
-    _chunk_keep_kernel[(R, C)](part, kept, stats, part if seen is None else seen, N, topk, BLOCK=block,
+    # With seen, the keep launch also counts the select's first round (_first_digit).
+    first = torch.zeros(R, 512, dtype=torch.int32, device=part.device) if seen_bits else stats
+    bar_bin = torch.empty(R, dtype=torch.int64, device=part.device)
+    _chunk_keep_kernel[(R, C)](part, kept, stats, part if seen is None else seen, first, bar_bin, N, topk, BLOCK=block,
                                SEEN_BITS=seen_bits, num_warps=8)
-    _select_kernel[(R,)](kept, stats, bound, need, before, N, C, topk, CHUNK=block, C_POW2=c_pow2,
-                         W=max(1, SELECT_KEYS // c_pow2), GPU=not isinstance(_select_kernel, InterpretedFunction),
-                         num_warps=8)
+    _select_kernel[(R,)](kept, stats, first, bar_bin, bound, need, before, N, C, topk, CHUNK=block, C_POW2=c_pow2,
+                         W=max(1, SELECT_KEYS // c_pow2), FIRST_BITS=seen_bits,
+                         GPU=not isinstance(_select_kernel, InterpretedFunction), num_warps=8)
     _chunk_write_kernel[(R, C)](part, bound, need, before, idx, scores, N, topk, BLOCK=block, num_warps=8)
     return idx, scores
 
