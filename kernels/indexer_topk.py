@@ -617,7 +617,7 @@ def order_keys(part: torch.Tensor, topk: int, seen: torch.Tensor | None = None) 
     seen_bits = 0 if seen is None else seen.shape[1].bit_length() - 1
     # With seen, the keep launch also counts the select's first round (_first_digit).
     first = torch.zeros(R, 512, dtype=torch.int32, device=part.device) if seen_bits else stats
-    bar_bin = torch.empty(R, dtype=torch.int64, device=part.device)
+    bar_bin = torch.empty(R, dtype=torch.int64, device=part.device) if seen_bits else stats  # unused without seen
     _chunk_keep_kernel[(R, C)](part, kept, stats, part if seen is None else seen, first, bar_bin, N, topk, BLOCK=block,
                                SEEN_BITS=seen_bits, num_warps=8)
     _select_kernel[(R,)](kept, stats, first, bar_bin, bound, need, before, N, C, topk, CHUNK=block, C_POW2=c_pow2,
