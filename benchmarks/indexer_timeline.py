@@ -54,11 +54,15 @@ _EDITS = [
      "                        + tl.sum(tl.sum(w, axis=1), axis=0) == -1.0).to(tl.int64)\n"
      "    NONE: tl.constexpr = -9223372036854775807 - 1\n    offs_2k = tl.arange(0, 2 * KP)\n"),
     ("    if IN_PLACE:  # no merge:",
-     f"    t_loop = {_T} + (tl.max(bar, axis=0) + tl.max(count, axis=0) == 1).to(tl.int64)\n"
+     f"    t_loop = {_T} + (tl.max(_each_row(bar, BLOCK_M), axis=0) + tl.max(_each_row(count, BLOCK_M), axis=0)\n"
+     "                     == 1).to(tl.int64)\n"
      "    if IN_PLACE:  # no merge:"),
-    ("        _merge_candidates(buf, part, held, count, offs_2k, width, NONE, KP, GPU)\n\n\ndef _row_blocks",
-     "        held, _, _ = _merge_candidates(buf, part, held, count, offs_2k, width, NONE, KP, GPU)\n"
-     f"    t_end = {_T} + (tl.max(held, axis=0) + tl.max(count, axis=0) == -1).to(tl.int64)\n"
+    ("        _merge_candidates(buf, part, _each_row(held, BLOCK_M), _each_row(count, BLOCK_M), offs_2k, width, NONE, KP,"
+     " GPU)\n\n\ndef _row_blocks",
+     "        held, _, _ = _merge_candidates(buf, part, _each_row(held, BLOCK_M), _each_row(count, BLOCK_M), offs_2k,"
+     " width, NONE, KP, GPU)\n"
+     f"    t_end = {_T} + (tl.max(_each_row(held, BLOCK_M), axis=0) + tl.max(_each_row(count, BLOCK_M), axis=0)"
+     " == -1).to(tl.int64)\n"
      "    at = timeline_ptr + (tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)) * 5\n"
      "    tl.store(at, t_start)\n    tl.store(at + 1, t_queries)\n    tl.store(at + 2, t_loop)\n"
      "    tl.store(at + 3, t_end)\n    tl.store(at + 4, _tl_cuda.smid().to(tl.int64))\n\n\ndef _row_blocks"),

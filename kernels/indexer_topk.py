@@ -163,6 +163,34 @@ def _one_a_thread(offs):
 
 
 @triton.jit
+def _carried(x, ONE_ROW: tl.constexpr):
+    """A per-row value x [BLOCK_M] as the tile loop carries it: a scalar for one row. Triton
+    carries a loop's [BLOCK_M] tensors in each layout a use wants (the appends', the merge's,
+    the shared bar's), each recomputed every tile from the tile's keys moved into that layout
+    through shared memory: 16 barriers a tile that keeps keys, 13 with scalars (sm_90 PTX),
+    and 8 x 128K 149.3 -> 145.0 us, 32 x 32K 155.0 -> 148.8 (H100, run 97)."""
+    if ONE_ROW:
+        return tl.max(x, axis=0)
+    else:
+        return x
+
+
+@triton.jit
+def _per_key(x, ONE_ROW: tl.constexpr):
+    """A carried per-row value, against a [BLOCK_M, N] tile."""
+    if ONE_ROW:
+        return x
+    else:
+        return x[:, None]
+
+
+@triton.jit
+def _each_row(x, BLOCK_M: tl.constexpr):
+    """A carried per-row value as a [BLOCK_M] tensor again."""
+    return x + tl.zeros([BLOCK_M], x.dtype)
+
+
+@triton.jit
 def _top_threshold(keys, KP: tl.constexpr):
     """Per row of keys [BLOCK_M, N] (NONE, the int64 minimum, where there is none), a
     threshold t with exactly KP keys >= t (all real keys when there are at most KP; t is
@@ -302,38 +330,43 @@ def _indexer_topk_kernel(
     else:
         part = tl.where(live[:, None], part, buf + KP)  # a block's rows past its end write into their own buffer
         dst = buf + KP
-    bar = tl.full([BLOCK_M], NONE, tl.int64)  # the running KP-th best: a key must beat it to matter
-    held = tl.zeros([BLOCK_M], tl.int32)  # keys in the running Top-KP
-    count = tl.zeros([BLOCK_M], tl.int32)  # candidates waiting
+    ONE_ROW: tl.constexpr = BLOCK_M == 1
+    bar = _carried(tl.full([BLOCK_M], NONE, tl.int64), ONE_ROW)  # the running KP-th best: a key must beat it to matter
+    held = _carried(tl.zeros([BLOCK_M], tl.int32), ONE_ROW)  # keys in the running Top-KP
+    count = _carried(tl.zeros([BLOCK_M], tl.int32), ONE_ROW)  # candidates waiting
     lo = tl.program_id(1).to(tl.int64) * SPLIT_LEN
     n_max = tl.minimum(tl.max(n, axis=0), lo + SPLIT_LEN)  # the block's longest history, in this split
     for s0 in range(lo, n_max, BLOCK_S):  # score a tile; keep only the keys that beat the running KP-th best
         key = _tile_keys(s0, n, n_max, req, q, w, table_ptr, k_ptr, ks_ptr, stride_table, stride_k, stride_ks,
                          offs_d, tail0, tail_bits, tail_skip, NONE, D, BLOCK_M, BLOCK_H, BLOCK_S, GROUP, DOT_DTYPE,
                          TREE)
-        beats = key > bar[:, None]
+        beats = key > _per_key(bar, ONE_ROW)
+        beating = _carried(tl.sum(beats.to(tl.int32), axis=1), ONE_ROW)
         # Late in a history most tiles add nothing, and skipping them pays: appending every tile
         # (no check) was 7-9% slower at 1M+ keys (H100, run 92).
-        if tl.max(tl.max(beats.to(tl.int32), axis=1), axis=0) > 0:
+        if tl.max(_each_row(beating, BLOCK_M), axis=0) > 0:
             if SHARED_BITS:  # counted for the row's other programs (see _shared_bar)
                 tl.atomic_add(seen_ptr + rows[:, None] * (1 << SHARED_BITS) + _digit(key, 64 - SHARED_BITS, SHARED_BITS),
                               beats.to(tl.int32), mask=beats, sem="relaxed")
-            at = count[:, None] + tl.cumsum(beats.to(tl.int32), axis=1) - 1
+            at = _per_key(count, ONE_ROW) + tl.cumsum(beats.to(tl.int32), axis=1) - 1
             tl.store(dst + at, key, mask=beats)
-            count += tl.sum(beats.to(tl.int32), axis=1)
-            if tl.max(count, axis=0) > KP - BLOCK_S:  # the buffer might not take the next tile
-                held, merged_bar, count = _merge_candidates(buf, buf, held, count, offs_2k, KP, NONE, KP, GPU)
-                bar = tl.maximum(bar, merged_bar)
+            count += beating
+            if tl.max(_each_row(count, BLOCK_M), axis=0) > KP - BLOCK_S:  # the buffer might not take the next tile
+                merged_held, merged_bar, merged_count = _merge_candidates(
+                    buf, buf, _each_row(held, BLOCK_M), _each_row(count, BLOCK_M), offs_2k, KP, NONE, KP, GPU)
+                held = _carried(merged_held, ONE_ROW)
+                count = _carried(merged_count, ONE_ROW)
+                bar = tl.maximum(bar, _carried(merged_bar, ONE_ROW))
         if SHARED_BITS:  # after this program's tiles 1, 2, 4, 8, ...: the bar the whole row's keys so far give
             t = (s0 - lo) // BLOCK_S
             if (t & (t + 1)) == 0:
-                bar = tl.maximum(bar, _shared_bar(seen_ptr, rows, live, KP, SHARED_BITS))
+                bar = tl.maximum(bar, _carried(_shared_bar(seen_ptr, rows, live, KP, SHARED_BITS), ONE_ROW))
     if IN_PLACE:  # no merge: NONE past the keys (the final merge cost 8 of 21 us at 1 x 32K, H100, run 88)
         offs_k = tl.arange(0, KP)
         tl.store(part + offs_k[None, :], tl.full([1, KP], NONE, tl.int64),
-                 mask=live[:, None] & (offs_k[None, :] >= count[:, None]) & (offs_k[None, :] < width))
+                 mask=live[:, None] & (offs_k[None, :] >= _each_row(count, BLOCK_M)[:, None]) & (offs_k[None, :] < width))
     else:
-        _merge_candidates(buf, part, held, count, offs_2k, width, NONE, KP, GPU)
+        _merge_candidates(buf, part, _each_row(held, BLOCK_M), _each_row(count, BLOCK_M), offs_2k, width, NONE, KP, GPU)
 
 
 def _row_blocks(row_req: torch.Tensor, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
