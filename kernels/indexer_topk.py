@@ -168,7 +168,7 @@ def _carried(x, ONE_ROW: tl.constexpr):
     carries a loop's [BLOCK_M] tensors in each layout a use wants (the appends', the merge's,
     the shared bar's), each recomputed every tile from the tile's keys moved into that layout
     through shared memory: 16 barriers a tile that keeps keys, 13 with scalars (sm_90 PTX),
-    and 8 x 128K 149.3 -> 145.0 us, 32 x 32K 155.0 -> 148.8 (H100, run 97)."""
+    and 8 x 128K 149.3 -> 144.8 us, 32 x 32K 154.6 -> 148.6 (H100, run 97)."""
     if ONE_ROW:
         return tl.max(x, axis=0)
     else:
