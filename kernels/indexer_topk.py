@@ -341,16 +341,22 @@ def _indexer_topk_kernel(
                          offs_d, tail0, tail_bits, tail_skip, NONE, D, BLOCK_M, BLOCK_H, BLOCK_S, GROUP, DOT_DTYPE,
                          TREE)
         beats = key > _per_key(bar, ONE_ROW)
-        beating = _carried(tl.sum(beats.to(tl.int32), axis=1), ONE_ROW)
+        if ONE_ROW:  # one count serves the check and the append
+            beating = tl.sum(tl.sum(beats.to(tl.int32), axis=1), axis=0)
+        else:  # a block's rows: counted only in tiles that keep keys (counting first costs every tile 6 barriers)
+            beating = tl.max(tl.max(beats.to(tl.int32), axis=1), axis=0)
         # Late in a history most tiles add nothing, and skipping them pays: appending every tile
         # (no check) was 7-9% slower at 1M+ keys (H100, run 92).
-        if tl.max(_each_row(beating, BLOCK_M), axis=0) > 0:
+        if beating > 0:
             if SHARED_BITS:  # counted for the row's other programs (see _shared_bar)
                 tl.atomic_add(seen_ptr + rows[:, None] * (1 << SHARED_BITS) + _digit(key, 64 - SHARED_BITS, SHARED_BITS),
                               beats.to(tl.int32), mask=beats, sem="relaxed")
             at = _per_key(count, ONE_ROW) + tl.cumsum(beats.to(tl.int32), axis=1) - 1
             tl.store(dst + at, key, mask=beats)
-            count += beating
+            if ONE_ROW:
+                count += beating
+            else:
+                count += tl.sum(beats.to(tl.int32), axis=1)
             if tl.max(_each_row(count, BLOCK_M), axis=0) > KP - BLOCK_S:  # the buffer might not take the next tile
                 merged_held, merged_bar, merged_count = _merge_candidates(
                     buf, buf, _each_row(held, BLOCK_M), _each_row(count, BLOCK_M), offs_2k, KP, NONE, KP, GPU)
