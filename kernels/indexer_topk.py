@@ -19,27 +19,29 @@ unique, so the selection is deterministic. The positions come back in ascending 
 not best first: attention over them does not care, and ordering by score compared every
 selected key with every other (run 74); by position, it is the order they are found in.
 
-Each program keeps, per row, a running Top-KP (KP = next_pow2(K)) and a candidate
-buffer of KP keys, both in global memory (2 KP keys per row, L2-resident: a bound per
-program, never per position). A scored tile keeps only the keys that beat the running
-KP-th best (the bar: a key below it can never enter, the set only improves) and appends
-them to the buffer. Where a row's history is split across programs, they also count the
-keys they keep in a histogram of the row's (by the keys' top bits) and raise their bar to
-a key that KP of the row's keys already beat (_shared_bar): a split need not see KP
-positions of its own first. The ordering stage takes the bar the finished histogram gives
-for K, so a short split's Top-KP, most of which falls below it, is not ordered.
-When the buffer might not take the next tile, the running set and the candidates are
-merged: a threshold that exactly KP of them reach is found two bits a pass from the top
-(one block-wide count per pass, stopping once the KP-th best is separated from the next;
-no sort) and the keys that reach it kept, in the order they came. Over n positions in
-random order about KP (1 + ln(n / KP)) keys ever beat the bar, so a program merges a few
-times; a history that only rises merges every KP positions, never gives a wrong answer. A
-split too short to fill the buffer (at most KP - block_s positions) never merges: its keys go
-straight to the ordering's input (1 x 32K: 14 us of scoring, 21 with the final merge, run 94). The
-kernel writes each program's KP keys unsorted (run 19: Triton's sort of 4096 keys took
-113 us per merge, three quarters of the kernel's time at 64 x 128K; the scoring loop
-alone ran at 93% of copy bandwidth); each merge keeps its keys in the order they came,
-so a split's keys stay in ascending position. The ordering stage then takes the best K
+Each program keeps, per row, a running Top-KP (KP = next_pow2(K)) and the keys scored
+since, in 2 KP keys of global memory (L2-resident: a bound per program, never per
+position). A key that does not beat the running KP-th best (the bar) can never enter: the
+set only improves. A split of at most 2 KP positions stores every tile whole, by position,
+NONE where a key does not beat the bar, and merges once at its end (straight into the
+ordering's input when it is at most KP: no merge). Its keys never leave the dot's layout but
+for the store's: counting and packing only those that beat the bar moved them between
+layouts through shared memory, 8-13 barriers a tile against 3-5 (sm_90 PTX), and the whole
+indexer at 8 x 128K took 136.4 us against 141.5, 1 x 32K 29.4 against 32.3 (H100, run 99).
+A longer split appends only the keys that beat the bar, and when the buffer might not take
+the next tile, merges: storing every tile there merged every KP positions, 13-26% slower at
+32-64 x 128K (run 99), where over n positions in random order about KP (1 + ln(n / KP))
+keys ever beat the bar, a few merges. Where a row's history is split across programs, they
+also count the keys they keep in a histogram of the row's (by the keys' top bits) and raise
+their bar to a key that KP of the row's keys already beat (_shared_bar): a split need not
+see KP positions of its own first. The ordering stage takes the bar the finished histogram
+gives for K, so a short split's Top-KP, most of which falls below it, is not ordered. A merge
+finds a threshold that exactly KP of its keys reach, two bits a pass from the top (one
+block-wide count per pass, stopping once the KP-th best is separated from the next; no
+sort), and keeps the keys that reach it in the order they came, so a split's keys stay in
+ascending position (run 19: Triton's sort of 4096 keys took 113 us per merge, three
+quarters of the kernel's time at 64 x 128K). A history that only rises merges every KP
+positions, never gives a wrong answer. The ordering stage then takes the best K
 over a row's splits: order_keys (a radix select of the K-th best key, then every key at or
 above it written out in order, in Triton), at every batch: it beat torch.topk over the same
 keys from 1 decode row (run 58) to prefill's 64K rows (1.2-1.8x, run 80).
@@ -226,9 +228,9 @@ def _top_threshold(keys, KP: tl.constexpr):
 def _merge_candidates(buf, dst, held, count, offs_2k, width, NONE: tl.constexpr, KP: tl.constexpr,
                       GPU: tl.constexpr):
     """Keep the best KP of the running Top-KP (buf[:held]) and the candidates (buf[KP:KP +
-    count]) in dst[:width], in the order they came, which is ascending position (NONE past
-    them; width <= KP holds them all when fewer than width keys were ever seen): (how many
-    were kept, the new bar, 0)."""
+    count]; NONE where a tile stored none) in dst[:width], in the order they came, which is
+    ascending position (NONE past them; width <= KP holds them all when fewer than width keys
+    were ever seen): (how many were kept, the new bar, 0)."""
     waiting = tl.max(_after_barrier(tl.max(count, axis=0) + tl.zeros([1], tl.int32), GPU), axis=0)
     valid = tl.where(offs_2k[None, :] < KP, offs_2k[None, :] < held[:, None], offs_2k[None, :] - KP < count[:, None])
     keys = tl.load(buf + offs_2k[None, :], mask=valid & (waiting >= 0), other=NONE,  # after the block's stores
@@ -285,7 +287,7 @@ def _indexer_topk_kernel(
     H, SPLIT_LEN, ROWS,
     D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr, KP: tl.constexpr,
     GROUP: tl.constexpr, DOT_DTYPE: tl.constexpr, GPU: tl.constexpr, TREE: tl.constexpr,
-    FIXED_BLOCKS: tl.constexpr, SHARED_BITS: tl.constexpr, IN_PLACE: tl.constexpr,
+    FIXED_BLOCKS: tl.constexpr, SHARED_BITS: tl.constexpr, WHOLE_TILES: tl.constexpr, IN_PLACE: tl.constexpr,
 ):
     # One program: up to BLOCK_M consecutive rows of one request, sharing every K tile, over
     # positions [SPLIT_LEN * split, SPLIT_LEN * (split + 1)) of their history. Fixed blocks
@@ -319,17 +321,20 @@ def _indexer_topk_kernel(
     NONE: tl.constexpr = -9223372036854775807 - 1
     offs_2k = tl.arange(0, 2 * KP)
     # Per row, 2 KP keys of global memory (L2-resident; a bound per program, never per
-    # position): the running Top-KP, then the candidates since the last merge, each by position.
+    # position): the running Top-KP, then the candidates since the last merge, each by position
+    # (with WHOLE_TILES, the split's tiles, by position).
     buf = cand_ptr + ((tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)) * BLOCK_M
                       + tl.arange(0, BLOCK_M).to(tl.int64))[:, None] * (2 * KP)  # [BLOCK_M, 1]
     # The split's best min(KP, SPLIT_LEN) keys end in part, by position; order_keys selects across splits.
     width = tl.minimum(SPLIT_LEN, KP)
     part = part_ptr + (rows[:, None] * tl.num_programs(1) + tl.program_id(1)) * width
-    if IN_PLACE:  # a split too short to fill the buffer never merges: every key that beats the bar goes to part
-        dst = part  # (a row past the block's end has no history: it keeps no key)
+    if IN_PLACE:  # a split no longer than KP never merges: its tiles go straight to part
+        dst = part
     else:
         part = tl.where(live[:, None], part, buf + KP)  # a block's rows past its end write into their own buffer
         dst = buf + KP
+        if WHOLE_TILES:
+            dst = buf
     ONE_ROW: tl.constexpr = BLOCK_M == 1
     bar = _carried(tl.full([BLOCK_M], NONE, tl.int64), ONE_ROW)  # the running KP-th best: a key must beat it to matter
     held = _carried(tl.zeros([BLOCK_M], tl.int32), ONE_ROW)  # keys in the running Top-KP
@@ -341,38 +346,54 @@ def _indexer_topk_kernel(
                          offs_d, tail0, tail_bits, tail_skip, NONE, D, BLOCK_M, BLOCK_H, BLOCK_S, GROUP, DOT_DTYPE,
                          TREE)
         beats = key > _per_key(bar, ONE_ROW)
-        if ONE_ROW:  # one count serves the check and the append
-            beating = tl.sum(tl.sum(beats.to(tl.int32), axis=1), axis=0)
-        else:  # a block's rows: counted only in tiles that keep keys (counting first costs every tile 6 barriers)
-            beating = tl.max(tl.max(beats.to(tl.int32), axis=1), axis=0)
-        # Late in a history most tiles add nothing, and skipping them pays: appending every tile
-        # (no check) was 7-9% slower at 1M+ keys (H100, run 92).
-        if beating > 0:
+        if WHOLE_TILES:  # the tile by position, NONE where a key does not beat the bar. The store's offsets
+            # (_one_a_thread) and the atomics' bins (of the stored keys, adding 1) are in one layout,
+            # converted from the dot's once: 3 barriers a tile (BF16), 9 without these choices.
+            kept = tl.where(beats, key, NONE)
+            tl.store(dst + _one_a_thread(s0 - lo + tl.arange(0, BLOCK_S))[None, :], kept, mask=live[:, None])
             if SHARED_BITS:  # counted for the row's other programs (see _shared_bar)
-                tl.atomic_add(seen_ptr + rows[:, None] * (1 << SHARED_BITS) + _digit(key, 64 - SHARED_BITS, SHARED_BITS),
-                              beats.to(tl.int32), mask=beats, sem="relaxed")
-            at = _per_key(count, ONE_ROW) + tl.cumsum(beats.to(tl.int32), axis=1) - 1
-            tl.store(dst + at, key, mask=beats)
-            if ONE_ROW:
-                count += beating
-            else:
-                count += tl.sum(beats.to(tl.int32), axis=1)
-            if tl.max(_each_row(count, BLOCK_M), axis=0) > KP - BLOCK_S:  # the buffer might not take the next tile
-                merged_held, merged_bar, merged_count = _merge_candidates(
-                    buf, buf, _each_row(held, BLOCK_M), _each_row(count, BLOCK_M), offs_2k, KP, NONE, KP, GPU)
-                held = _carried(merged_held, ONE_ROW)
-                count = _carried(merged_count, ONE_ROW)
-                bar = tl.maximum(bar, _carried(merged_bar, ONE_ROW))
+                tl.atomic_add(seen_ptr + rows[:, None] * (1 << SHARED_BITS) + _digit(kept, 64 - SHARED_BITS, SHARED_BITS),
+                              1, mask=kept != NONE, sem="relaxed")
+        else:  # only the keys that beat the bar, appended
+            if ONE_ROW:  # one count serves the check and the append
+                beating = tl.sum(tl.sum(beats.to(tl.int32), axis=1), axis=0)
+            else:  # a block's rows: counted only in tiles that keep keys (counting first costs every tile 6 barriers)
+                beating = tl.max(tl.max(beats.to(tl.int32), axis=1), axis=0)
+            # Late in a history most tiles add nothing, and skipping them pays: appending every tile
+            # (no check) was 7-9% slower at 1M+ keys (H100, run 92).
+            if beating > 0:
+                if SHARED_BITS:  # counted for the row's other programs (see _shared_bar)
+                    tl.atomic_add(seen_ptr + rows[:, None] * (1 << SHARED_BITS) + _digit(key, 64 - SHARED_BITS, SHARED_BITS),
+                                  beats.to(tl.int32), mask=beats, sem="relaxed")
+                at = _per_key(count, ONE_ROW) + tl.cumsum(beats.to(tl.int32), axis=1) - 1
+                tl.store(dst + at, key, mask=beats)
+                if ONE_ROW:
+                    count += beating
+                else:
+                    count += tl.sum(beats.to(tl.int32), axis=1)
+                if tl.max(_each_row(count, BLOCK_M), axis=0) > KP - BLOCK_S:  # the buffer might not take the next tile
+                    merged_held, merged_bar, merged_count = _merge_candidates(
+                        buf, buf, _each_row(held, BLOCK_M), _each_row(count, BLOCK_M), offs_2k, KP, NONE, KP, GPU)
+                    held = _carried(merged_held, ONE_ROW)
+                    count = _carried(merged_count, ONE_ROW)
+                    bar = tl.maximum(bar, _carried(merged_bar, ONE_ROW))
         if SHARED_BITS:  # after this program's tiles 1, 2, 4, 8, ...: the bar the whole row's keys so far give
             t = (s0 - lo) // BLOCK_S
             if (t & (t + 1)) == 0:
                 bar = tl.maximum(bar, _carried(_shared_bar(seen_ptr, rows, live, KP, SHARED_BITS), ONE_ROW))
-    if IN_PLACE:  # no merge: NONE past the keys (the final merge cost 8 of 21 us at 1 x 32K, H100, run 88)
+    if IN_PLACE:  # no merge: NONE past the tiles (the final merge cost 8 of 21 us at 1 x 32K, H100, run 88)
         offs_k = tl.arange(0, KP)
         tl.store(part + offs_k[None, :], tl.full([1, KP], NONE, tl.int64),
-                 mask=live[:, None] & (offs_k[None, :] >= _each_row(count, BLOCK_M)[:, None]) & (offs_k[None, :] < width))
+                 mask=live[:, None] & (offs_k[None, :] >= tl.cdiv(n_max - lo, BLOCK_S) * BLOCK_S) & (offs_k[None, :] < width))
     else:
-        _merge_candidates(buf, part, _each_row(held, BLOCK_M), _each_row(count, BLOCK_M), offs_2k, width, NONE, KP, GPU)
+        if WHOLE_TILES:  # the split's positions are in buf[:stored]; rows past the block's end stored none
+            stored = tl.where(live, tl.maximum(n_max - lo, 0), 0).to(tl.int32)
+            held = tl.minimum(stored, KP)
+            count = stored - held
+        else:
+            held = _each_row(held, BLOCK_M)
+            count = _each_row(count, BLOCK_M)
+        _merge_candidates(buf, part, held, count, offs_2k, width, NONE, KP, GPU)
 
 
 def _row_blocks(row_req: torch.Tensor, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -812,9 +833,8 @@ def indexer_topk(
         split_len = _split_len(history, blocks, programs, block_s)
         splits = triton.cdiv(history, split_len)
         part = torch.empty(R, splits, min(kp, split_len), dtype=torch.int64, device=q.device)
-        # A split no longer than KP - block_s never fills its candidate buffer, so never merges:
-        # its keys go straight to part.
-        in_place = split_len <= kp - block_s
+        # A split of at most 2 KP positions stores its tiles whole, into part itself when at most KP.
+        whole_tiles, in_place = split_len <= 2 * kp, split_len <= kp
         cand = torch.empty(1 if in_place else blocks * splits * block_m * 2 * kp, dtype=torch.int64, device=q.device)
         # One program a row has no one to share with. Where splits are no longer than KP
         # (1 x 4K-128K, 8 x 32K: 512 positions) the atomics, 8-264 programs on one row's
@@ -830,7 +850,8 @@ def indexer_topk(
             H, split_len, R,
             D=D, BLOCK_M=block_m, BLOCK_H=block_h, BLOCK_S=block_s, KP=kp, GROUP=group, DOT_DTYPE=dot_dtype,
             GPU=gpu, TREE=tree is not None,
-            FIXED_BLOCKS=fixed, SHARED_BITS=shared_bits, IN_PLACE=in_place, num_warps=num_warps, num_stages=num_stages,
+            FIXED_BLOCKS=fixed, SHARED_BITS=shared_bits, WHOLE_TILES=whole_tiles, IN_PLACE=in_place, num_warps=num_warps,
+            num_stages=num_stages,
         )
         idx, scores = order_keys(part, topk, seen=seen if shared_bits else None)
     return (idx, scores) if return_scores else idx

@@ -7,6 +7,8 @@ wherever the Top-K boundary is not a near tie.
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -251,35 +253,54 @@ def test_splits_shorter_than_k_share_the_bar_too(monkeypatch, programs):
 
 class _PoisonedTorch:
     """torch, except that an int64 torch.empty comes back full of a key that would win any
-    selection (the best score at position 0): a slot a kernel reads before writing shows."""
+    selection (the best score at position 0): a slot a kernel reads before writing shows. Each
+    is the front of a longer buffer whose tail holds another key: a store past its end shows
+    (out_of_bounds)."""
+
+    TAIL, TAIL_KEY = 4096, 0x5A5A5A5A5A5A5A5A
+
+    def __init__(self):
+        self.buffers = []
 
     def __getattr__(self, name):
         return getattr(torch, name)
 
-    @staticmethod
-    def empty(*size, dtype=None, device=None):
+    def empty(self, *size, dtype=None, device=None):
         size = tuple(size[0]) if len(size) == 1 and isinstance(size[0], (tuple, list, torch.Size)) else size
         if dtype != torch.int64:
             return torch.empty(size, dtype=dtype, device=device)
+        n = math.prod(size)
         best = _module.encode_keys_torch(torch.tensor([3.0e38]), torch.tensor([0]))
-        return torch.full(size, int(best), dtype=dtype, device=device)
+        buffer = torch.full((n + self.TAIL,), self.TAIL_KEY, dtype=dtype, device=device)
+        buffer[:n] = int(best)
+        self.buffers.append((buffer, n))
+        return buffer[:n].view(size)
+
+    def out_of_bounds(self) -> int:
+        """Buffers stored past their end."""
+        return sum(int((buffer[n:] != self.TAIL_KEY).any()) for buffer, n in self.buffers)
 
 
-@pytest.mark.parametrize("programs", [1, 64])
-def test_splits_too_short_to_merge_write_their_keys_in_place(programs, monkeypatch):
-    """At programs=64 every split (64 positions) is shorter than KP - block_s (K = 100, KP 128,
-    tiles of 16), so its keys go straight to the ordering's input and no merge runs; at
-    programs=1 the whole history merges in one program. Both select the reference's set on
-    exact ties, for a causal prefill chunk in blocks of 4 rows (the second block half past its
-    request's rows) and a decode row of another request alone in its block, with every
-    int64 buffer allocated full of a key that would win: each slot read was written."""
-    lens, reqs, K = [500, 501, 502, 503, 504, 505, 300], [0, 0, 0, 0, 0, 0, 1], 100
+@pytest.mark.parametrize("programs", [1, 6, 64])
+def test_each_split_path_reads_only_what_it_wrote(programs, monkeypatch):
+    """K = 100 (KP 128), tiles of 16. At programs=64 every split (64 positions) is at most KP,
+    so its tiles go straight to the ordering's input and no merge runs; at programs=6 the
+    splits (256 positions) are at most 2 KP: their tiles are stored whole and merged once; at
+    programs=1 the whole history appends the keys that beat the bar and merges as it goes. Each
+    selects the reference's set on exact ties, for a causal prefill chunk in blocks of 4 rows
+    (the second block half past its request's rows) and a decode row of another request alone
+    in its block, with every int64 buffer allocated full of a key that would win: each slot
+    read was written. Nothing is stored past a buffer's end: the decode row's block has the
+    last programs, and its rows past the block's end, merging unwritten slots, once did."""
+    lens, reqs, K = [500, 501, 502, 503, 504, 505, 497], [0, 0, 0, 0, 0, 0, 1], 100
     args = _case(lens, reqs, 4, 16, 505, integer=True, dtype=torch.float32)
     ref_idx, ref_scores = indexer_topk_torch(*args, K, return_scores=True)
-    if programs == 64:
-        assert _module._split_len(505, 3, programs, 16) <= 128 - 16  # the in-place path runs
-    monkeypatch.setattr(_module, "torch", _PoisonedTorch())
+    split = _module._split_len(505, 3, programs, 16)
+    assert split == {64: 64, 6: 256, 1: 512}[programs]  # in place; whole tiles; appended
+    poisoned = _PoisonedTorch()
+    monkeypatch.setattr(_module, "torch", poisoned)
     idx, scores = indexer_topk(*args, K, return_scores=True, block_s=16, block_m=4, programs=programs)
+    assert poisoned.out_of_bounds() == 0
     assert torch.equal(idx.cpu(), ref_idx.cpu())
     assert torch.equal(scores.cpu(), ref_scores.cpu())
 
