@@ -160,7 +160,8 @@ def _one_a_thread(offs):
     time); in one layout the select's pack steps have none (sm_90 PTX, tests/compile_for_sm90.py):
     select 22.4 -> 12.2 us at 8 x 128K with the first round in the keep launch (H100, run 96).
     The scoring kernel keeps its vector-wide merge and shared-bar loads: in one layout it had
-    half the barriers a tile and was 11-13 us slower wherever splits merge (run 95)."""
+    half the barriers a tile and was 11-13 us slower wherever splits merge (run 95). Its whole
+    tiles are stored through these, in the layout of the histogram atomics beside them."""
     return offs ^ (tl.program_id(0) >> 31)
 
 
