@@ -120,14 +120,14 @@ def merge_us(topk: int, num_warps: int = 4, reps: int = 64) -> float:
 
 def merges_per_program(scores: torch.Tensor, topk: int, split_len: int, block_s: int = 128) -> list[int]:
     """indexer_topk's merge count over one row's scores [history] for split 0 and the last
-    split. A split of at most KP positions never merges, and one of at most 2 KP merges once
-    (its tiles stored whole). In a longer one a tile's keys that beat the running KP-th best
+    split. A split stored in place never merges: at most KP positions, or IN_PLACE_KPS x KP
+    where the history is split. In a longer one a tile's keys that beat the running KP-th best
     join the buffer; a merge when the buffer holds more than KP - block_s. Ties are ignored
     (random fp32 scores). The bar the row's splits share (_shared_bar) is not replayed, so
     where the history is split this is an upper bound: the shared bar lets fewer keys in."""
     kp = triton.next_power_of_2(topk)
-    if split_len <= 2 * kp:
-        return [int(split_len > kp)] * len({0, (scores.numel() - 1) // split_len})
+    if split_len <= (indexer_topk.IN_PLACE_KPS if scores.numel() > split_len else 1) * kp:
+        return [0] * len({0, (scores.numel() - 1) // split_len})
     counts = []
     for lo in sorted({0, (scores.numel() - 1) // split_len * split_len}):
         part = scores[lo:lo + split_len]

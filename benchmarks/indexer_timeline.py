@@ -57,8 +57,10 @@ _EDITS = [
      f"    t_loop = {_T} + (tl.max(_each_row(bar, BLOCK_M), axis=0) + tl.max(_each_row(count, BLOCK_M), axis=0)\n"
      "                     == 1).to(tl.int64)\n"
      "    if IN_PLACE:  # no merge:"),
-    ("        _merge_candidates(buf, part, held, count, offs_2k, width, NONE, KP, GPU)\n\n\ndef _row_blocks",
-     "        held, _, _ = _merge_candidates(buf, part, held, count, offs_2k, width, NONE, KP, GPU)\n"
+    ("        _merge_candidates(buf, part, _each_row(held, BLOCK_M), _each_row(count, BLOCK_M), offs_2k, width, NONE, KP,"
+     " GPU)\n\n\ndef _row_blocks",
+     "        held, _, _ = _merge_candidates(buf, part, _each_row(held, BLOCK_M), _each_row(count, BLOCK_M), offs_2k,"
+     " width, NONE, KP, GPU)\n"
      f"    t_end = {_T} + (tl.max(_each_row(held, BLOCK_M), axis=0) + tl.max(_each_row(count, BLOCK_M), axis=0)"
      " == -1).to(tl.int64)\n"
      "    at = timeline_ptr + (tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)) * 5\n"

@@ -22,12 +22,16 @@ selected key with every other (run 74); by position, it is the order they are fo
 Each program keeps, per row, a running Top-KP (KP = next_pow2(K)) and the keys scored
 since, in 2 KP keys of global memory (L2-resident: a bound per program, never per
 position). A key that does not beat the running KP-th best (the bar) can never enter: the
-set only improves. A split of at most 2 KP positions stores every tile whole, by position,
-NONE where a key does not beat the bar, and merges once at its end (straight into the
-ordering's input when it is at most KP: no merge). Its keys never leave the dot's layout but
-for the store's: counting and packing only those that beat the bar moved them between
-layouts through shared memory, 8-13 barriers a tile against 3-5 (sm_90 PTX), and the whole
-indexer at 8 x 128K took 136.4 us against 141.5, 1 x 32K 29.4 against 32.3 (H100, run 99).
+set only improves. A split of at most KP positions, or IN_PLACE_KPS x KP where the row is
+split across programs, stores every tile whole, by position, NONE where a key does not beat
+the bar, straight into the ordering's input: it never merges (the keep launch drops what the
+row's shared bar leaves behind). Its keys never leave the dot's layout but for the store's:
+counting and packing only those that beat the bar moved them between layouts through shared
+memory, 8-13 barriers a tile against 3-5 (sm_90 PTX), and the whole indexer at 8 x 128K took
+136.4 us against 141.5, 1 x 32K 29.4 against 32.3 (H100, run 99). Splits of 2 and 4 KP
+stored in place instead of merging once at their end took the scoring kernel from 111 to
+101 us at 8 x 128K and from 229 to 199 at 64 x 32K, while the ordering, reading every
+position's slot, took 4-6 us more (H100, runs 100-101).
 A longer split appends only the keys that beat the bar, and when the buffer might not take
 the next tile, merges: storing every tile there merged every KP positions, 13-26% slower at
 32-64 x 128K (run 99), where over n positions in random order about KP (1 + ln(n / KP))
@@ -67,6 +71,7 @@ import math
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from triton.runtime.interpreter import InterpretedFunction
 
 from sglang_hybrid.kernels.mxfp8 import dequantize_mxfp8
@@ -288,8 +293,10 @@ def _indexer_topk_kernel(
     H, SPLIT_LEN, ROWS,
     D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr, KP: tl.constexpr,
     GROUP: tl.constexpr, DOT_DTYPE: tl.constexpr, GPU: tl.constexpr, TREE: tl.constexpr,
-    FIXED_BLOCKS: tl.constexpr, SHARED_BITS: tl.constexpr, WHOLE_TILES: tl.constexpr, IN_PLACE: tl.constexpr,
+    FIXED_BLOCKS: tl.constexpr, SHARED_BITS: tl.constexpr, IN_PLACE: tl.constexpr,
 ):
+    if GPU:  # programmatic dependent launch: the keep launch is scheduled now and waits for this grid
+        gdc_launch_dependents()
     # One program: up to BLOCK_M consecutive rows of one request, sharing every K tile, over
     # positions [SPLIT_LEN * split, SPLIT_LEN * (split + 1)) of their history. Fixed blocks
     # (decode, verify) are rows [BLOCK_M * block, BLOCK_M * (block + 1)); others are listed.
@@ -322,20 +329,18 @@ def _indexer_topk_kernel(
     NONE: tl.constexpr = -9223372036854775807 - 1
     offs_2k = tl.arange(0, 2 * KP)
     # Per row, 2 KP keys of global memory (L2-resident; a bound per program, never per
-    # position): the running Top-KP, then the candidates since the last merge, each by position
-    # (with WHOLE_TILES, the split's tiles, by position).
+    # position): the running Top-KP, then the candidates since the last merge, each by position.
     buf = cand_ptr + ((tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)) * BLOCK_M
                       + tl.arange(0, BLOCK_M).to(tl.int64))[:, None] * (2 * KP)  # [BLOCK_M, 1]
-    # The split's best min(KP, SPLIT_LEN) keys end in part, by position; order_keys selects across splits.
-    width = tl.minimum(SPLIT_LEN, KP)
+    # The split's keys end in part, by position (all of them in place, else its best KP); order_keys
+    # selects across splits.
+    width = SPLIT_LEN if IN_PLACE else tl.minimum(SPLIT_LEN, KP)
     part = part_ptr + (rows[:, None] * tl.num_programs(1) + tl.program_id(1)) * width
-    if IN_PLACE:  # a split no longer than KP never merges: its tiles go straight to part
+    if IN_PLACE:  # its tiles go straight to part, whole, and it never merges
         dst = part
     else:
         part = tl.where(live[:, None], part, buf + KP)  # a block's rows past its end write into their own buffer
         dst = buf + KP
-        if WHOLE_TILES:
-            dst = buf
     ONE_ROW: tl.constexpr = BLOCK_M == 1
     bar = _carried(tl.full([BLOCK_M], NONE, tl.int64), ONE_ROW)  # the running KP-th best: a key must beat it to matter
     held = _carried(tl.zeros([BLOCK_M], tl.int32), ONE_ROW)  # keys in the running Top-KP
@@ -347,7 +352,7 @@ def _indexer_topk_kernel(
                          offs_d, tail0, tail_bits, tail_skip, NONE, D, BLOCK_M, BLOCK_H, BLOCK_S, GROUP, DOT_DTYPE,
                          TREE)
         beats = key > _per_key(bar, ONE_ROW)
-        if WHOLE_TILES:  # the tile by position, NONE where a key does not beat the bar. The store's offsets
+        if IN_PLACE:  # the tile by position, NONE where a key does not beat the bar. The store's offsets
             # (_one_a_thread) and the atomics' bins (of the stored keys, adding 1) are in one layout,
             # converted from the dot's once: 3 barriers a tile (BF16), 9 without these choices.
             kept = tl.where(beats, key, NONE)
@@ -383,18 +388,11 @@ def _indexer_topk_kernel(
             if (t & (t + 1)) == 0:
                 bar = tl.maximum(bar, _carried(_shared_bar(seen_ptr, rows, live, KP, SHARED_BITS), ONE_ROW))
     if IN_PLACE:  # no merge: NONE past the tiles (the final merge cost 8 of 21 us at 1 x 32K, H100, run 88)
-        offs_k = tl.arange(0, KP)
-        tl.store(part + offs_k[None, :], tl.full([1, KP], NONE, tl.int64),
-                 mask=live[:, None] & (offs_k[None, :] >= tl.cdiv(n_max - lo, BLOCK_S) * BLOCK_S) & (offs_k[None, :] < width))
+        for f in range(tl.maximum(tl.cdiv(n_max - lo, BLOCK_S), 0) * BLOCK_S, SPLIT_LEN, BLOCK_S):
+            tl.store(part + _one_a_thread(f + tl.arange(0, BLOCK_S))[None, :], tl.full([BLOCK_M, BLOCK_S], NONE, tl.int64),
+                     mask=live[:, None])
     else:
-        if WHOLE_TILES:  # the split's positions are in buf[:stored]; rows past the block's end stored none
-            stored = tl.where(live, tl.maximum(n_max - lo, 0), 0).to(tl.int32)
-            held = tl.minimum(stored, KP)
-            count = stored - held
-        else:
-            held = _each_row(held, BLOCK_M)
-            count = _each_row(count, BLOCK_M)
-        _merge_candidates(buf, part, held, count, offs_2k, width, NONE, KP, GPU)
+        _merge_candidates(buf, part, _each_row(held, BLOCK_M), _each_row(count, BLOCK_M), offs_2k, width, NONE, KP, GPU)
 
 
 def _row_blocks(row_req: torch.Tensor, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -422,11 +420,18 @@ SHARED_BAR_BITS = 11
 # queries, the final merge and write) outweighs its share of the scoring.
 MIN_SPLIT_TILES = 4
 
+# How long, in KP, a split of a row shared across programs may be and still be stored in place
+# (whole tiles, no merge): its part is then bounded by the programs' count, never rows x history.
+# A row's only split (prefill) keeps KP, so part stays rows x KP. 4 against 2: 64 x 32K (splits
+# of 4 KP) 241 against 259 us, the same elsewhere (H100, run 100). Longer splits (32-64 x 128K)
+# append: stored whole there, they were 13-26% slower (run 99).
+IN_PLACE_KPS = 4
+
 
 def _split_len(history: int, programs: int, target: int, block_s: int) -> int:
     """Positions per split: as many splits as keep the programs within `target` (one wave:
     a second, partial wave costs as much as the first), each a whole number of tiles and
-    at least MIN_SPLIT_TILES of them. A split shorter than KP hands over all its keys, and
+    at least MIN_SPLIT_TILES of them. A split stored in place hands over all its keys, and
     the ordering's keep launch drops all but about K of the row's at its shared bar: so a few
     long rows spread over the GPU instead of a few programs each scoring KP positions. From the table
     width, not the lengths, so it is the same in every replay of a CUDA graph. (Splits capped
@@ -482,13 +487,16 @@ def _first_digit(key, b, BITS: tl.constexpr):
 
 @triton.jit
 def _chunk_keep_kernel(part_ptr, kept_ptr, stats_ptr, seen_ptr, first_ptr, bar_bin_ptr, N, TOPK,
-                       BLOCK: tl.constexpr, SEEN_BITS: tl.constexpr):
+                       BLOCK: tl.constexpr, SEEN_BITS: tl.constexpr, GPU: tl.constexpr):
     """Program (row, chunk): its real keys, less those at or below the bar the row's counts in
     seen give (_shared_bar at TOPK) with SEEN_BITS, packed in order at the front of the
     chunk's span of kept; their count, maximum and minimum in stats. With SEEN_BITS, also the
     select's first round: the kept keys counted by _first_digit into the row's first [512]
     (zeroed), and the bar's bin in bar_bin."""
     NONE: tl.constexpr = -9223372036854775807 - 1
+    if GPU:
+        gdc_launch_dependents()
+        gdc_wait()  # for the scoring grid's part and seen
     row, c = tl.program_id(0).to(tl.int64), tl.program_id(1)
     offs = c * BLOCK + tl.arange(0, BLOCK)
     key = tl.load(part_ptr + row * N + _one_a_thread(offs), mask=offs < N, other=NONE)  # as they are stored
@@ -572,6 +580,9 @@ def _select_kernel(kept_ptr, stats_ptr, first_ptr, bar_bin_ptr, bound_ptr, need_
     the keys above the bar's bin as one digit, those in it by their next 8 bits."""
     NONE: tl.constexpr = -9223372036854775807 - 1
     LARGEST: tl.constexpr = 9223372036854775807
+    if GPU:
+        gdc_launch_dependents()
+        gdc_wait()  # for the keep grid's kept, stats and first
     row = tl.program_id(0).to(tl.int64)
     chunks = tl.arange(0, C_POW2)
     at = stats_ptr + (row * C + chunks) * 3
@@ -614,10 +625,12 @@ def _select_kernel(kept_ptr, stats_ptr, first_ptr, bar_bin_ptr, bound_ptr, need_
 
 @triton.jit
 def _chunk_write_kernel(part_ptr, bound_ptr, need_ptr, before_ptr, idx_ptr, score_ptr, N, TOPK,
-                        BLOCK: tl.constexpr):
+                        BLOCK: tl.constexpr, GPU: tl.constexpr):
     """Program (row, chunk): its keys at or above the row's bound (a real key, or the largest
     key when need is 0) as positions and scores, after the earlier chunks' (so in the keys'
     order: ascending position), and its share of the -1 / -inf past need."""
+    if GPU:
+        gdc_wait()  # for the select grid's bound, need and before
     row, c = tl.program_id(0).to(tl.int64), tl.program_id(1)
     C = tl.num_programs(1)
     need = tl.load(need_ptr + row)
@@ -643,11 +656,12 @@ def _chunk_write_kernel(part_ptr, bound_ptr, need_ptr, before_ptr, idx_ptr, scor
 SELECT_KEYS = 1024
 
 # Keys per program of the keep and write launches.
-# 4096 (half the programs) lost 3-4 us at one row and tied elsewhere (H100, run 70).
+# 4096 (half the programs) lost 3-4 us at one row and tied elsewhere (H100, runs 70 and 101).
 ORDER_CHUNK_KEYS = 2048
 
 
-def order_keys(part: torch.Tensor, topk: int, seen: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def order_keys(part: torch.Tensor, topk: int, seen: torch.Tensor | None = None,
+               first: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """[R, splits, width] keys in ascending position (NONE where there is none) -> the
     best topk positions [R, topk] int32 in ascending order, and their fp32 scores, -1 /
     -inf past the real keys. Three launches, no host sync (CUDA-graph capturable): keep,
@@ -659,7 +673,15 @@ def order_keys(part: torch.Tensor, topk: int, seen: torch.Tensor | None = None) 
     seen [R, 2^bits] int32: counts of keys of each row by their top bits, every count a key
     that exists (the scoring kernel's shared-bar histogram). The keep launch then drops the
     keys below the bar they give for topk: a split's Top-KP mostly falls below the Top-K of
-    a row split many ways, and the select reads only what is left."""
+    a row split many ways, and the select reads only what is left.
+    first [R, 512] int32 zeros: the select's first-round histogram, zeroed by the caller in the
+    memset that zeroes seen (indexer_topk), else here.
+
+    On a GPU the three launches follow each other, and the scoring kernel before them, by
+    programmatic dependent launch: each is scheduled while the one before runs and waits
+    (griddepcontrol.wait) for its whole grid before reading what it wrote, so no launch gap
+    sits between them. With first's memset folded into seen's, 1 x 32K took 27.5 against
+    30.2 us and 8 x 32K 52.2 against 54.2 (H100, run 100)."""
     R = part.shape[0]
     part = part.reshape(R, -1).contiguous()
     N = part.shape[1]
@@ -677,14 +699,18 @@ def order_keys(part: torch.Tensor, topk: int, seen: torch.Tensor | None = None) 
     before = torch.empty(R, C, dtype=torch.int32, device=part.device)
     seen_bits = 0 if seen is None else seen.shape[1].bit_length() - 1
     # With seen, the keep launch also counts the select's first round (_first_digit).
-    first = torch.zeros(R, 512, dtype=torch.int32, device=part.device) if seen_bits else stats
+    if first is None:  # called alone: its own memset
+        first = torch.zeros(R, 512, dtype=torch.int32, device=part.device) if seen_bits else stats
     bar_bin = torch.empty(R, dtype=torch.int64, device=part.device) if seen_bits else stats  # unused without seen
+    gpu = not isinstance(_select_kernel, InterpretedFunction)
+    pdl = {"launch_pdl": True} if gpu else {}
     _chunk_keep_kernel[(R, C)](part, kept, stats, part if seen is None else seen, first, bar_bin, N, topk, BLOCK=block,
-                               SEEN_BITS=seen_bits, num_warps=8)
+                               SEEN_BITS=seen_bits, GPU=gpu, num_warps=8, **pdl)
     _select_kernel[(R,)](kept, stats, first, bar_bin, bound, need, before, N, C, topk, CHUNK=block, C_POW2=c_pow2,
                          W=max(1, SELECT_KEYS // c_pow2), FIRST_BITS=seen_bits,
-                         GPU=not isinstance(_select_kernel, InterpretedFunction), num_warps=8)
-    _chunk_write_kernel[(R, C)](part, bound, need, before, idx, scores, N, topk, BLOCK=block, num_warps=8)
+                         GPU=gpu, num_warps=8, **pdl)
+    _chunk_write_kernel[(R, C)](part, bound, need, before, idx, scores, N, topk, BLOCK=block, GPU=gpu, num_warps=8,
+                                **pdl)
     return idx, scores
 
 
@@ -833,16 +859,21 @@ def indexer_topk(
         history = max(req_to_token.shape[1], 1)
         split_len = _split_len(history, blocks, programs, block_s)
         splits = triton.cdiv(history, split_len)
-        part = torch.empty(R, splits, min(kp, split_len), dtype=torch.int64, device=q.device)
-        # A split of at most 2 KP positions stores its tiles whole, into part itself when at most KP.
-        whole_tiles, in_place = split_len <= 2 * kp, split_len <= kp
+        # A short split stores its tiles whole, into part: at most KP, or IN_PLACE_KPS x KP where the
+        # row is split across programs (part's size then bounded by theirs, never by rows x history).
+        in_place = split_len <= (IN_PLACE_KPS if splits > 1 else 1) * kp
+        part = torch.empty(R, splits, split_len if in_place else min(kp, split_len), dtype=torch.int64, device=q.device)
         cand = torch.empty(1 if in_place else blocks * splits * block_m * 2 * kp, dtype=torch.int64, device=q.device)
         # One program a row has no one to share with. Where splits are no longer than KP
         # (1 x 4K-128K, 8 x 32K: 512 positions) the atomics, 8-264 programs on one row's
         # bins, cost 4-7 us (H100, run 78), and the counts let the ordering drop all but
         # about K of the row's keys.
         shared_bits = SHARED_BAR_BITS if splits > 1 else 0
-        seen = torch.zeros(R, 1 << shared_bits, dtype=torch.int32, device=q.device) if shared_bits else part  # unused
+        # The shared histogram and the select's first round: one memset, before the scoring launch, so
+        # that the ordering's launches follow it directly (programmatic dependent launch).
+        counts = torch.zeros(R * ((1 << shared_bits) + 512), dtype=torch.int32, device=q.device) if shared_bits else None
+        seen = counts[:R << shared_bits].view(R, -1) if shared_bits else part  # unused without
+        first = counts[R << shared_bits:].view(R, 512) if shared_bits else None
         _indexer_topk_kernel[(blocks, splits)](
             q, weights, index_k, req_to_token, row_req, row_len, starts, ends, q_scale, k_scale, part, cand, seen,
             *((row_len,) * 3 if tree is None else (tail_start, tail_bits, tail_skip)),
@@ -851,10 +882,10 @@ def indexer_topk(
             H, split_len, R,
             D=D, BLOCK_M=block_m, BLOCK_H=block_h, BLOCK_S=block_s, KP=kp, GROUP=group, DOT_DTYPE=dot_dtype,
             GPU=gpu, TREE=tree is not None,
-            FIXED_BLOCKS=fixed, SHARED_BITS=shared_bits, WHOLE_TILES=whole_tiles, IN_PLACE=in_place, num_warps=num_warps,
+            FIXED_BLOCKS=fixed, SHARED_BITS=shared_bits, IN_PLACE=in_place, num_warps=num_warps,
             num_stages=num_stages,
         )
-        idx, scores = order_keys(part, topk, seen=seen if shared_bits else None)
+        idx, scores = order_keys(part, topk, seen=seen if shared_bits else None, first=first)
     return (idx, scores) if return_scores else idx
 
 

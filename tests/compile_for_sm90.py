@@ -75,16 +75,16 @@ def cases():
     out = []
     # Split as on a GPU: into splits of 512 (no shared bar; tiles stored whole, in place), a
     # history twice as long into two splits longer than KP (the shared bar's code; tiles
-    # stored whole, one merge), and four times as long into two splits longer than 2 KP
-    # (the keys that beat the bar appended, merged as they come).
+    # stored whole, in place), and eight times as long into two splits longer than
+    # IN_PLACE_KPS x KP (the keys that beat the bar appended, merged as they come).
     long_k, long_ks = torch.cat([k, k]), torch.cat([ks, ks])
     long_kd, long_table = torch.cat([kd, kd]), torch.arange(2 * hist, dtype=torch.int32).view(1, 2 * hist)
-    longer = [torch.cat([x] * 4) for x in (k, kd, ks)] + [torch.arange(4 * hist, dtype=torch.int32).view(1, 4 * hist)]
+    longer = [torch.cat([x] * 8) for x in (k, kd, ks)] + [torch.arange(8 * hist, dtype=torch.int32).view(1, 8 * hist)]
     for block_m, kind in ((1, "decode"), (_EXTEND_ROW_BLOCK, "extend")):
         for (kk, kkd, kks, tab, lens, programs, bar) in ((k, kd, ks, table, row_len, 264, ""),
                                                          (long_k, long_kd, long_ks, long_table, row_len + hist,
                                                           2 * rows // min(block_m, 2), ",shared bar"),
-                                                         (*longer, row_len + 3 * hist, 2 * rows // block_m,
+                                                         (*longer, row_len + 7 * hist, 2 * rows // block_m,
                                                           ",shared bar,long splits")):
             out.append((f"indexer_topk[{kind},bf16{bar}]", lambda b=block_m, kk=kk, tab=tab, lens=lens, p=programs:
                         indexer_topk.indexer_topk(q, w, kk, tab, row_req, lens, 2048, block_m=b, programs=p)))
