@@ -293,9 +293,9 @@ def _indexer_topk_kernel(
     H, SPLIT_LEN, ROWS,
     D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr, KP: tl.constexpr,
     GROUP: tl.constexpr, DOT_DTYPE: tl.constexpr, GPU: tl.constexpr, TREE: tl.constexpr,
-    FIXED_BLOCKS: tl.constexpr, SHARED_BITS: tl.constexpr, IN_PLACE: tl.constexpr,
+    FIXED_BLOCKS: tl.constexpr, SHARED_BITS: tl.constexpr, IN_PLACE: tl.constexpr, PDL: tl.constexpr,
 ):
-    if GPU:  # programmatic dependent launch: the keep launch is scheduled now and waits for this grid
+    if PDL:  # programmatic dependent launch: the keep launch is scheduled now and waits for this grid
         gdc_launch_dependents()
     # One program: up to BLOCK_M consecutive rows of one request, sharing every K tile, over
     # positions [SPLIT_LEN * split, SPLIT_LEN * (split + 1)) of their history. Fixed blocks
@@ -487,14 +487,14 @@ def _first_digit(key, b, BITS: tl.constexpr):
 
 @triton.jit
 def _chunk_keep_kernel(part_ptr, kept_ptr, stats_ptr, seen_ptr, first_ptr, bar_bin_ptr, N, TOPK,
-                       BLOCK: tl.constexpr, SEEN_BITS: tl.constexpr, GPU: tl.constexpr):
+                       BLOCK: tl.constexpr, SEEN_BITS: tl.constexpr, PDL: tl.constexpr):
     """Program (row, chunk): its real keys, less those at or below the bar the row's counts in
     seen give (_shared_bar at TOPK) with SEEN_BITS, packed in order at the front of the
     chunk's span of kept; their count, maximum and minimum in stats. With SEEN_BITS, also the
     select's first round: the kept keys counted by _first_digit into the row's first [512]
     (zeroed), and the bar's bin in bar_bin."""
     NONE: tl.constexpr = -9223372036854775807 - 1
-    if GPU:
+    if PDL:
         gdc_launch_dependents()
         gdc_wait()  # for the scoring grid's part and seen
     row, c = tl.program_id(0).to(tl.int64), tl.program_id(1)
@@ -567,7 +567,7 @@ def _split_round(src, count, d, last, shift, b, bound, top, FIRST: tl.constexpr,
 @triton.jit
 def _select_kernel(kept_ptr, stats_ptr, first_ptr, bar_bin_ptr, bound_ptr, need_ptr, before_ptr, N, C, TOPK,
                    CHUNK: tl.constexpr, C_POW2: tl.constexpr, W: tl.constexpr, FIRST_BITS: tl.constexpr,
-                   GPU: tl.constexpr):
+                   GPU: tl.constexpr, PDL: tl.constexpr):
     """One program per row: the bound of its Top-K, by a radix select over the keys its chunks
     kept, and how many keys at or above it come before each chunk's. A round histograms the
     candidates' digit (8 bits, from the highest bit on which the kept keys differ down);
@@ -580,7 +580,7 @@ def _select_kernel(kept_ptr, stats_ptr, first_ptr, bar_bin_ptr, bound_ptr, need_
     the keys above the bar's bin as one digit, those in it by their next 8 bits."""
     NONE: tl.constexpr = -9223372036854775807 - 1
     LARGEST: tl.constexpr = 9223372036854775807
-    if GPU:
+    if PDL:
         gdc_launch_dependents()
         gdc_wait()  # for the keep grid's kept, stats and first
     row = tl.program_id(0).to(tl.int64)
@@ -625,11 +625,11 @@ def _select_kernel(kept_ptr, stats_ptr, first_ptr, bar_bin_ptr, bound_ptr, need_
 
 @triton.jit
 def _chunk_write_kernel(part_ptr, bound_ptr, need_ptr, before_ptr, idx_ptr, score_ptr, N, TOPK,
-                        BLOCK: tl.constexpr, GPU: tl.constexpr):
+                        BLOCK: tl.constexpr, PDL: tl.constexpr):
     """Program (row, chunk): its keys at or above the row's bound (a real key, or the largest
     key when need is 0) as positions and scores, after the earlier chunks' (so in the keys'
     order: ascending position), and its share of the -1 / -inf past need."""
-    if GPU:
+    if PDL:
         gdc_wait()  # for the select grid's bound, need and before
     row, c = tl.program_id(0).to(tl.int64), tl.program_id(1)
     C = tl.num_programs(1)
@@ -660,6 +660,15 @@ SELECT_KEYS = 1024
 ORDER_CHUNK_KEYS = 2048
 
 
+def chains_launches() -> bool:
+    """Whether the kernels chain their launches by programmatic dependent launch: CUDA from
+    sm_90 (Hopper) on, where griddepcontrol exists; never in the interpreter."""
+    if isinstance(_select_kernel, InterpretedFunction):
+        return False
+    target = triton.runtime.driver.active.get_current_target()
+    return target.backend == "cuda" and target.arch >= 90
+
+
 def order_keys(part: torch.Tensor, topk: int, seen: torch.Tensor | None = None,
                first: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """[R, splits, width] keys in ascending position (NONE where there is none) -> the
@@ -677,7 +686,7 @@ def order_keys(part: torch.Tensor, topk: int, seen: torch.Tensor | None = None,
     first [R, 512] int32 zeros: the select's first-round histogram, zeroed by the caller in the
     memset that zeroes seen (indexer_topk), else here.
 
-    On a GPU the three launches follow each other, and the scoring kernel before them, by
+    On sm_90 and later the three launches follow each other, and the scoring kernel before them, by
     programmatic dependent launch: each is scheduled while the one before runs and waits
     (griddepcontrol.wait) for its whole grid before reading what it wrote, so no launch gap
     sits between them. With first's memset folded into seen's, 1 x 32K took 27.5 against
@@ -703,14 +712,15 @@ def order_keys(part: torch.Tensor, topk: int, seen: torch.Tensor | None = None,
         first = torch.zeros(R, 512, dtype=torch.int32, device=part.device) if seen_bits else stats
     bar_bin = torch.empty(R, dtype=torch.int64, device=part.device) if seen_bits else stats  # unused without seen
     gpu = not isinstance(_select_kernel, InterpretedFunction)
-    pdl = {"launch_pdl": True} if gpu else {}
+    pdl = chains_launches()
+    chained = {"launch_pdl": True} if pdl else {}
     _chunk_keep_kernel[(R, C)](part, kept, stats, part if seen is None else seen, first, bar_bin, N, topk, BLOCK=block,
-                               SEEN_BITS=seen_bits, GPU=gpu, num_warps=8, **pdl)
+                               SEEN_BITS=seen_bits, PDL=pdl, num_warps=8, **chained)
     _select_kernel[(R,)](kept, stats, first, bar_bin, bound, need, before, N, C, topk, CHUNK=block, C_POW2=c_pow2,
                          W=max(1, SELECT_KEYS // c_pow2), FIRST_BITS=seen_bits,
-                         GPU=gpu, num_warps=8, **pdl)
-    _chunk_write_kernel[(R, C)](part, bound, need, before, idx, scores, N, topk, BLOCK=block, GPU=gpu, num_warps=8,
-                                **pdl)
+                         GPU=gpu, PDL=pdl, num_warps=8, **chained)
+    _chunk_write_kernel[(R, C)](part, bound, need, before, idx, scores, N, topk, BLOCK=block, PDL=pdl, num_warps=8,
+                                **chained)
     return idx, scores
 
 
@@ -881,7 +891,7 @@ def indexer_topk(
             q_scale.stride(0), q_scale.stride(1), k_scale.stride(0),
             H, split_len, R,
             D=D, BLOCK_M=block_m, BLOCK_H=block_h, BLOCK_S=block_s, KP=kp, GROUP=group, DOT_DTYPE=dot_dtype,
-            GPU=gpu, TREE=tree is not None,
+            GPU=gpu, TREE=tree is not None, PDL=chains_launches(),
             FIXED_BLOCKS=fixed, SHARED_BITS=shared_bits, IN_PLACE=in_place, num_warps=num_warps,
             num_stages=num_stages,
         )
