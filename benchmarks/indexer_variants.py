@@ -16,7 +16,9 @@ medians) or prefill:HISTORY (one request, every position a causal row, in the ba
 row blocks, _EXTEND_ROW_BLOCK; runs 78-79 had one row a block; eager medians); BF16, or
 with --mxfp8 the MXFP8 index cache and queries, group 32 (--group to change it); 4 warps.
 The variants are timed in order, then again in reverse order, and both are kept; each
-variant's GPU time per kernel comes from the torch profiler (kernel_us). A case given
+variant's GPU time per kernel comes from the torch profiler (kernel_us), its launches
+unchained (a launch chained by programmatic dependent launch is profiled from when it is
+scheduled, its wait on the grid before it included). A case given
 several times is timed on that many random draws (the selection rounds' work depends on
 the scores). --sglang-dsa adds SGLang's own DSA indexer on the same keys as a second
 baseline (sglang_dsa_indexer.py: its decode or its prefill pipeline).
@@ -163,7 +165,12 @@ def main() -> None:
             if not same:  # rounding (an FP8 MMA's accumulation) may swap near ties
                 case[f"overlap_with_{variants[0][0]}[{name}]"] = overlap(got, first)
         for name, module in variants:
+            chains = getattr(module, "chains_launches", None)
+            if chains:
+                module.chains_launches = lambda: False
             case[f"kernel_us[{name}]"] = kernel_us(run(module))
+            if chains:
+                module.chains_launches = chains
         for order in (variants, variants[::-1]):
             for name, module in order:
                 case.setdefault(f"fused_ms[{name}]", []).append(median(run(module)))
