@@ -126,7 +126,7 @@ def merges_per_program(scores: torch.Tensor, topk: int, split_len: int, block_s:
     (random fp32 scores). The bar the row's splits share (_shared_bar) is not replayed, so
     where the history is split this is an upper bound: the shared bar lets fewer keys in."""
     kp = triton.next_power_of_2(topk)
-    if split_len <= (indexer_topk.IN_PLACE_KPS if scores.numel() > split_len else 1) * kp:
+    if indexer_topk.stores_in_place(split_len, triton.cdiv(scores.numel(), split_len), kp):
         return [0] * len({0, (scores.numel() - 1) // split_len})
     counts = []
     for lo in sorted({0, (scores.numel() - 1) // split_len * split_len}):

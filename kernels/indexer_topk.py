@@ -428,6 +428,13 @@ MIN_SPLIT_TILES = 4
 IN_PLACE_KPS = 4
 
 
+def stores_in_place(split_len: int, splits: int, kp: int) -> bool:
+    """Whether a split stores its tiles whole, into part, and never merges: at most KP
+    positions, or IN_PLACE_KPS x KP where the row is split across programs (part's size then
+    bounded by theirs, never by rows x history)."""
+    return split_len <= (IN_PLACE_KPS if splits > 1 else 1) * kp
+
+
 def _split_len(history: int, programs: int, target: int, block_s: int) -> int:
     """Positions per split: as many splits as keep the programs within `target` (one wave:
     a second, partial wave costs as much as the first), each a whole number of tiles and
@@ -869,9 +876,7 @@ def indexer_topk(
         history = max(req_to_token.shape[1], 1)
         split_len = _split_len(history, blocks, programs, block_s)
         splits = triton.cdiv(history, split_len)
-        # A short split stores its tiles whole, into part: at most KP, or IN_PLACE_KPS x KP where the
-        # row is split across programs (part's size then bounded by theirs, never by rows x history).
-        in_place = split_len <= (IN_PLACE_KPS if splits > 1 else 1) * kp
+        in_place = stores_in_place(split_len, splits, kp)
         part = torch.empty(R, splits, split_len if in_place else min(kp, split_len), dtype=torch.int64, device=q.device)
         cand = torch.empty(1 if in_place else blocks * splits * block_m * 2 * kp, dtype=torch.int64, device=q.device)
         # One program a row has no one to share with. Where splits are no longer than KP
